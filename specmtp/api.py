@@ -1,0 +1,171 @@
+"""The Python API: load a target and a drafter once, then generate or stream."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from specmtp.config import GenerationConfig, SamplingConfig
+from specmtp.decode import SpecDecoder
+from specmtp.drafters import DraftModelDrafter, Drafter, NgramDrafter
+from specmtp.errors import SpecMTPError
+from specmtp.models import LoadedModel, check_tokenizers_agree, load_model, usable_vocab_size
+from specmtp.stats import GenerationStats
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    tokens: list[int]  # the new tokens only
+    stats: GenerationStats
+
+
+def build_drafter(
+    spec: str | None, target: LoadedModel, *, dtype: torch.dtype = torch.float32
+) -> tuple[Drafter | None, int]:
+    """Turn a draft spec string into a drafter; also return the vocabulary both share.
+
+    This is the one place that dispatches on the spec: `ngram` or `ngram:N` (longest
+    n-gram N), otherwise a model spec as for the target.
+    """
+    target_vocab = usable_vocab_size(target.model, target.model, target.tokenizer)
+    if spec is None:
+        return None, target_vocab
+    if spec == "ngram" or spec.startswith("ngram:"):
+        size = spec.partition(":")[2] or "3"
+        if not size.isdigit() or int(size) < 1:
+            raise SpecMTPError(f"bad n-gram draft spec {spec!r}: use ngram or ngram:N with N >= 1")
+        return NgramDrafter(max_ngram=int(size)), target_vocab
+    draft = load_model(spec, dtype=dtype)
+    check_tokenizers_agree(
+        target.tokenizer, draft.tokenizer, target_name=target.spec, draft_name=draft.spec
+    )
+    vocab = usable_vocab_size(target.model, draft.model, target.tokenizer)
+    return DraftModelDrafter(draft.model, vocab_size=vocab, name=spec), vocab
+
+
+def eos_token_ids(loaded: LoadedModel) -> list[int]:
+    """The ids that end generation: the generation config's and the tokenizer's."""
+    ids = loaded.model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.append(loaded.tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+class SpecGenerator:
+    """A target model and an optional drafter, ready to generate many times.
+
+    >>> gen = SpecGenerator("default", draft="ngram")
+    >>> gen.generate("Write a haiku about tea.", chat=True, max_new_tokens=64).text
+    """
+
+    def __init__(
+        self,
+        target: str | LoadedModel = "default",
+        *,
+        draft: str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.target = target if isinstance(target, LoadedModel) else load_model(target, dtype=dtype)
+        drafter, vocab = build_drafter(draft, self.target, dtype=dtype)
+        tokenizer = self.target.tokenizer
+        self.decoder = SpecDecoder(
+            self.target.model,
+            drafter=drafter,
+            vocab_size=vocab,
+            context_length=self.target.context_length,
+            eos_token_ids=eos_token_ids(self.target),
+            detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+        )
+        self.last_stats: GenerationStats | None = None
+        self._last_tokens: list[int] = []
+
+    def encode(self, prompt: str | Sequence[int], *, chat: bool = False) -> list[int]:
+        """Token ids of a prompt; with chat, the tokenizer's chat template is applied."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if not prompt.strip():
+            raise SpecMTPError("the prompt is empty")
+        tokenizer = self.target.tokenizer
+        if chat:
+            if tokenizer.chat_template is None:
+                raise SpecMTPError(f"{self.target.spec} has no chat template; drop --chat")
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            return tokenizer(text, add_special_tokens=False).input_ids
+        return tokenizer(prompt).input_ids
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        chat: bool = False,
+        config: GenerationConfig | None = None,
+        **settings: Any,
+    ) -> Completion:
+        """Generate a completion. `settings` override fields of `config` (or the defaults):
+        max_new_tokens, gamma, seed, stop_strings, temperature, top_k, top_p."""
+        for _ in self.stream(prompt, chat=chat, config=config, **settings):
+            pass
+        assert self.last_stats is not None
+        text = self.target.tokenizer.decode(self._last_tokens, skip_special_tokens=True)
+        return Completion(text, self._last_tokens, self.last_stats)
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        chat: bool = False,
+        config: GenerationConfig | None = None,
+        **settings: Any,
+    ) -> Iterator[str]:
+        """Yield the new text as tokens are accepted; `last_stats` holds the statistics."""
+        config = make_config(config, **settings)
+        ids = self.encode(prompt, chat=chat)
+        stats = GenerationStats(gamma=config.gamma)
+        self.last_stats, self._last_tokens = stats, []
+        tokenizer, shown = self.target.tokenizer, ""
+        for block in self.decoder.run(ids, config, stats):
+            self._last_tokens += block
+            text = tokenizer.decode(self._last_tokens, skip_special_tokens=True)
+            if text.endswith("\ufffd") and not stats.finish_reason:
+                continue  # a multi-byte character is still incomplete
+            # Decoding more tokens can, rarely, respell earlier text; the stream then
+            # carries on from the new end, and generate() returns the exact final text.
+            yield text[len(shown) :]
+            shown = text
+
+
+def make_config(config: GenerationConfig | None = None, **settings: Any) -> GenerationConfig:
+    """A GenerationConfig from an optional base plus flat overrides (sampling included)."""
+    config = config or GenerationConfig()
+    sampling_keys = {"temperature", "top_k", "top_p"}
+    sampling = {k: settings.pop(k) for k in list(settings) if k in sampling_keys}
+    if sampling:
+        settings["sampling"] = replace(config.sampling, **sampling)
+    if "stop_strings" in settings:
+        settings["stop_strings"] = tuple(settings["stop_strings"])
+    unknown = set(settings) - set(GenerationConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unknown generation settings: {sorted(unknown)}")
+    return replace(config, **settings)
+
+
+def generate(
+    prompt: str,
+    *,
+    target: str = "default",
+    draft: str | None = None,
+    chat: bool = False,
+    **settings: Any,
+) -> Completion:
+    """One-shot convenience: load, generate, return text, tokens and statistics."""
+    return SpecGenerator(target, draft=draft).generate(prompt, chat=chat, **settings)
+
+
+__all__ = ["Completion", "SamplingConfig", "SpecGenerator", "build_drafter", "generate"]

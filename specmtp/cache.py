@@ -1,0 +1,76 @@
+"""A causal LM together with its KV cache. Appending is a forward; rolling back is a crop."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from specmtp.errors import SpecMTPError
+
+
+class CachedModel:
+    """Runs a Hugging Face causal LM one chunk at a time over a growing KV cache.
+
+    `length` is the number of positions held in the cache. `forward(tokens)` appends the
+    tokens at positions `length..length+n-1` and returns their logits; `crop(n)` rolls the
+    cache back to its first n positions. Only plain full-attention layers are accepted:
+    their rollback is exact. Sliding-window and recurrent layers keep no full history, so
+    they are refused rather than rolled back approximately.
+    """
+
+    def __init__(self, model: PreTrainedModel, *, vocab_size: int, name: str = "model") -> None:
+        self.model = model
+        self.vocab_size = vocab_size
+        self.name = name
+        self.cache = self._new_cache()
+        self.length = 0
+
+    def _new_cache(self) -> DynamicCache:
+        cache = DynamicCache(config=self.model.config)
+        for layer in cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise SpecMTPError(
+                    f"{self.name}: its cache layers ({type(layer).__name__}) cannot be rolled back "
+                    "exactly, so speculative decoding is refused for this model"
+                )
+        return cache
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def reset(self) -> None:
+        self.cache = self._new_cache()
+        self.length = 0
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+        """Append tokens [B, n]; return logits [B, n, V] (or [B, 1, V] with last_only)."""
+        n = tokens.shape[1]
+        positions = torch.arange(self.length, self.length + n, device=tokens.device)[None]  # [1, n]
+        out = self.model(
+            input_ids=tokens,
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+        )
+        self.length += n
+        return out.logits[..., : self.vocab_size]
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` cached positions and drop the rest."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
+        if length < self.length:
+            self.cache.crop(length - self.length)  # transformers 5: a negative count removes
+            self.length = length
+
+    def kv_bytes(self) -> int:
+        """Bytes held by the cached keys and values."""
+        return sum(
+            layer.keys.numel() * layer.keys.element_size() * 2
+            for layer in self.cache.layers
+            if layer.is_initialized
+        )

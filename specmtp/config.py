@@ -1,0 +1,53 @@
+"""Frozen, validated settings. Defaults are defined here and nowhere else."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from specmtp.errors import SpecMTPError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How logits become a distribution. The same processing builds p (target) and q (draft).
+
+    temperature 0 means greedy (argmax); top_k 0 means no top-k cut; top_p 1.0 means no
+    nucleus cut.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SpecMTPError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SpecMTPError(f"top-k must be >= 0, got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            raise SpecMTPError(f"top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """One generation request: budget, draft length, stops, sampling and seed."""
+
+    max_new_tokens: int = 128
+    gamma: int = 4
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_strings: tuple[str, ...] = ()
+    stop_on_eos: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise SpecMTPError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.gamma < 1:
+            raise SpecMTPError(f"gamma must be >= 1, got {self.gamma}")
+        if any(not s for s in self.stop_strings):
+            raise SpecMTPError("stop strings must not be empty")

@@ -1,0 +1,182 @@
+"""The decode loop: draft -> verify -> accept -> commit -> observe, one round at a time.
+
+Invariant between rounds: `context` [1, n] holds the prompt and every committed token;
+the target's cache holds positions 0..n-2, and the last committed token is pending,
+fed at the start of the next verify pass together with the drafts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from specmtp.cache import CachedModel
+from specmtp.config import GenerationConfig
+from specmtp.drafters import Drafter, Proposal, empty_proposal
+from specmtp.errors import SpecMTPError
+from specmtp.sampling import logits_to_probs
+from specmtp.stats import GenerationStats
+from specmtp.verification import Verdict, verify_greedy, verify_rejection_sampling
+
+# Decodes token ids to text; needed only for stop strings.
+Detokenize = Callable[[Sequence[int]], str]
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    tokens: list[int]  # the new tokens only
+    stats: GenerationStats
+
+
+class SpecDecoder:
+    """Speculative decoding of one target with one drafter (or none: plain decoding).
+
+    Batch size 1 for now: shapes keep the batch dimension for batched decoding later.
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        *,
+        drafter: Drafter | None = None,
+        vocab_size: int,
+        context_length: int,
+        eos_token_ids: Sequence[int] = (),
+        detokenize: Detokenize | None = None,
+    ) -> None:
+        self.target = CachedModel(target, vocab_size=vocab_size, name="target")
+        self.drafter = drafter
+        self.context_length = context_length
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.detokenize = detokenize
+
+    def generate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> GenerationResult:
+        stats = GenerationStats(gamma=config.gamma)
+        tokens = [t for block in self.run(prompt_ids, config, stats) for t in block]
+        return GenerationResult(tokens, stats)
+
+    def run(
+        self, prompt_ids: Sequence[int], config: GenerationConfig, stats: GenerationStats
+    ) -> Iterator[list[int]]:
+        """Yield the tokens committed by each round, with every stop already applied."""
+        self._check_prompt(prompt_ids, config)
+        start = time.perf_counter()
+        device = self.target.device
+        generator = torch.Generator(device=device).manual_seed(config.seed)
+        context = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # [1, n]
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+        stats.prompt_tokens = context.shape[1]
+        if context.shape[1] > 1:
+            self.target.forward(context[:, :-1], last_only=True)  # prefill
+        stats.prefill_s = time.perf_counter() - start
+        generated: list[int] = []
+        while not stats.finish_reason:
+            k = self._draft_budget(context.shape[1], len(generated), config)
+            proposal = self._draft(context, k, config, generator, stats)
+            verdict = self._verify(context, proposal, config, generator, stats)
+            context, new = self._commit(context, proposal, verdict, stats)
+            if self.drafter is not None:
+                self.drafter.observe(context, int(verdict.num_accepted[0]))
+            block = self._apply_stops(new, generated, config, stats)
+            generated += block
+            if not stats.finish_reason and context.shape[1] > self.context_length:
+                stats.finish_reason = "context"
+            stats.new_tokens = len(generated)
+            stats.total_s = time.perf_counter() - start
+            yield block
+
+    def _check_prompt(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
+        if len(prompt_ids) == 0:
+            raise SpecMTPError("the prompt is empty")
+        if len(prompt_ids) >= self.context_length:
+            raise SpecMTPError(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is "
+                f"{self.context_length} tokens"
+            )
+        if config.stop_strings and self.detokenize is None:
+            raise SpecMTPError("stop strings need a tokenizer")
+
+    def _draft_budget(self, n: int, generated: int, config: GenerationConfig) -> int:
+        """Drafts worth proposing: none past max_new_tokens or the model's context."""
+        if self.drafter is None:
+            return 0
+        return max(0, min(config.gamma, config.max_new_tokens - generated - 1, self.context_length - n))
+
+    def _draft(
+        self,
+        context: torch.Tensor,
+        k: int,
+        config: GenerationConfig,
+        generator: torch.Generator,
+        stats: GenerationStats,
+    ) -> Proposal:
+        if k == 0:
+            return empty_proposal(context.shape[0], context.device)
+        start = time.perf_counter()
+        proposal = self.drafter.propose(context, k, config.sampling, generator)
+        stats.draft_s += time.perf_counter() - start
+        return proposal
+
+    def _verify(
+        self,
+        context: torch.Tensor,
+        proposal: Proposal,
+        config: GenerationConfig,
+        generator: torch.Generator,
+        stats: GenerationStats,
+    ) -> Verdict:
+        """One target forward over [last committed, *drafts], then the acceptance rule."""
+        start = time.perf_counter()
+        logits = self.target.forward(torch.cat([context[:, -1:], proposal.tokens], 1))  # [1, k+1, V]
+        if config.sampling.greedy:
+            verdict = verify_greedy(proposal.tokens, logits)
+        else:
+            target_probs = logits_to_probs(logits, config.sampling)  # [1, k+1, V]
+            verdict = verify_rejection_sampling(
+                proposal.tokens, proposal.probs, target_probs, generator
+            )
+        stats.verify_s += time.perf_counter() - start
+        return verdict
+
+    def _commit(
+        self,
+        context: torch.Tensor,
+        proposal: Proposal,
+        verdict: Verdict,
+        stats: GenerationStats,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Keep the accepted drafts and the next token; roll the target cache back to match."""
+        n_acc = int(verdict.num_accepted[0])
+        new = torch.cat([proposal.tokens[:, :n_acc], verdict.next_tokens[:, None]], 1)  # [1, n_acc+1]
+        self.target.crop(context.shape[1] + n_acc)  # the new last token stays pending
+        stats.record_round(proposal.length, n_acc)
+        return torch.cat([context, new], 1), new[0].tolist()
+
+    def _apply_stops(
+        self, new: list[int], generated: list[int], config: GenerationConfig, stats: GenerationStats
+    ) -> list[int]:
+        """The prefix of `new` up to and including the first stop; sets finish_reason."""
+        for i, token in enumerate(new):
+            total = len(generated) + i + 1
+            if config.stop_on_eos and token in self.eos_token_ids:
+                stats.finish_reason = "eos"
+            elif config.stop_strings and self._hits_stop_string(generated + new[: i + 1], config):
+                stats.finish_reason = "stop_string"
+            elif total >= config.max_new_tokens:
+                stats.finish_reason = "length"
+            if stats.finish_reason:
+                return new[: i + 1]
+        return new
+
+    def _hits_stop_string(self, tokens: list[int], config: GenerationConfig) -> bool:
+        # A stop string ends in the newest token, so only a tail of the text matters; a
+        # character can take up to 4 byte-level tokens.
+        window = 4 * max(len(s) for s in config.stop_strings) + 4
+        tail = self.detokenize(tokens[-window:])
+        return any(s in tail for s in config.stop_strings)

@@ -1,0 +1,133 @@
+"""Drafters: cheap proposers of the next k tokens, behind one interface.
+
+A drafter sees the committed context and proposes up to k tokens, with the distribution it
+drew each from when it has one (q for rejection sampling). After the target has verified
+them, it observes the new committed context, so it can roll its own state back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from specmtp.cache import CachedModel
+from specmtp.config import SamplingConfig
+from specmtp.sampling import choose, logits_to_probs
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: torch.Tensor  # [B, k'] with k' <= k; k' may be 0
+    probs: torch.Tensor | None  # [B, k', V] the draft distributions q, or None (one-hot drafts)
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[1]
+
+
+def empty_proposal(batch: int, device: torch.device) -> Proposal:
+    return Proposal(torch.empty(batch, 0, dtype=torch.long, device=device), None)
+
+
+class Drafter(Protocol):
+    name: str
+
+    def reset(self) -> None:
+        """Forget everything: a new sequence starts."""
+
+    def propose(
+        self,
+        context: torch.Tensor,  # [B, n] committed tokens
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Proposal: ...
+
+    def observe(self, context: torch.Tensor, num_accepted: int) -> None:
+        """The target committed `context` [B, n'], keeping num_accepted of the drafts."""
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens
+    (n from max_ngram down to min_ngram) and propose the tokens that followed it."""
+
+    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.name = "ngram"
+
+    def reset(self) -> None:
+        pass  # stateless: everything it needs is in the context
+
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        ids = context[0]  # batch 1: lookup is per sequence
+        for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
+            windows = ids[:-1].unfold(0, n, 1)  # [L-n, n]: earlier windows, the suffix excluded
+            hits = (windows == ids[-n:]).all(-1).nonzero().flatten()
+            for start in reversed(hits.tolist()):  # most recent first
+                follow = ids[start + n : start + n + k]
+                if len(follow):
+                    return Proposal(follow[None].clone(), None)
+        return empty_proposal(context.shape[0], context.device)
+
+    def observe(self, context: torch.Tensor, num_accepted: int) -> None:
+        pass
+
+
+class DraftModelDrafter:
+    """A small causal LM with the target's tokenizer drafts k tokens autoregressively,
+    keeping its own KV cache. Its cache holds `fed`, the ids it has seen; after each
+    round it is cropped back to the part of `fed` that the target committed."""
+
+    def __init__(self, model: PreTrainedModel, *, vocab_size: int, name: str = "draft") -> None:
+        self.runner = CachedModel(model, vocab_size=vocab_size, name=name)
+        self.name = name
+        self.fed = torch.empty(1, 0, dtype=torch.long)  # [1, runner.length]
+
+    def reset(self) -> None:
+        self.runner.reset()
+        self.fed = torch.empty(1, 0, dtype=torch.long, device=self.runner.device)
+
+    def _rollback_to_prefix_of(self, context: torch.Tensor) -> None:
+        m = min(self.fed.shape[1], context.shape[1])
+        same = (self.fed[:, :m] == context[:, :m]).all(0)  # [m]
+        common = m if bool(same.all()) else int(same.long().argmin())
+        self.runner.crop(common)
+        self.fed = self.fed[:, :common]
+
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        self._rollback_to_prefix_of(context[:, :-1])  # the last token must be fed for logits
+        unseen = context[:, self.fed.shape[1] :]  # [B, u], u >= 1: corrected/bonus tokens too
+        logits = self.runner.forward(unseen, last_only=True)[:, -1]  # [B, V]
+        self.fed = context.clone()
+        tokens, probs = [], []
+        for i in range(k):
+            q = None if sampling.greedy else logits_to_probs(logits, sampling)  # [B, V]
+            token = logits.argmax(-1) if q is None else choose(q, sampling, generator)  # [B]
+            tokens.append(token)
+            probs.append(q)
+            if i < k - 1:
+                logits = self.runner.forward(token[:, None])[:, -1]
+                self.fed = torch.cat([self.fed, token[:, None]], 1)
+        draft_probs = None if sampling.greedy else torch.stack(probs, 1)  # [B, k, V]
+        return Proposal(torch.stack(tokens, 1), draft_probs)
+
+    def observe(self, context: torch.Tensor, num_accepted: int) -> None:
+        self._rollback_to_prefix_of(context)

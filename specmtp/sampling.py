@@ -1,0 +1,46 @@
+"""Logits processing and sampling: pure functions with an explicit torch.Generator."""
+
+from __future__ import annotations
+
+import torch
+
+from specmtp.config import SamplingConfig
+
+
+def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Turn logits [..., V] into the sampling distribution [..., V] (float32).
+
+    Greedy (temperature 0) gives the one-hot distribution of the argmax, so that the
+    speculative rules stay one formula for every temperature. Top-k and top-p are applied
+    after temperature, in that order, as in Hugging Face's sampling.
+    """
+    logits = logits.float()
+    if cfg.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / cfg.temperature
+    if cfg.top_k and cfg.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the first
+        # token is always kept.
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= cfg.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row from probs [..., V]; returns [...] (int64)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    tokens = torch.multinomial(flat, 1, generator=generator)  # [N, 1]
+    return tokens.reshape(probs.shape[:-1])
+
+
+def choose(probs: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token from processed probs [..., V]: argmax when greedy, else a sample."""
+    if cfg.greedy:
+        return probs.argmax(-1)
+    return sample(probs, generator)

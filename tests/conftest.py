@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random models built from configs, and a per-session model cache."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TINY_VOCAB = 96
+
+
+def tiny_model(arch: str, *, seed: int, vocab_size: int = TINY_VOCAB, context: int = 256) -> PreTrainedModel:
+    """A small random causal LM of the given architecture, in eval mode."""
+    torch.manual_seed(seed)
+    common = {"vocab_size": vocab_size, "bos_token_id": None, "eos_token_id": None, "pad_token_id": 0}
+    if arch == "llama":
+        config = LlamaConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, max_position_embeddings=context, **common,
+        )
+        model = LlamaForCausalLM(config)
+    elif arch == "qwen2":
+        config = Qwen2Config(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, max_position_embeddings=context, **common,
+        )
+        model = Qwen2ForCausalLM(config)
+    elif arch == "gpt2":
+        config = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=context, **common)
+        model = GPT2LMHeadModel(config)
+    else:
+        raise ValueError(arch)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def perturbed_copy(model: PreTrainedModel, *, scale: float, seed: int) -> PreTrainedModel:
+    """The same architecture and weights plus Gaussian noise: a partly agreeing draft."""
+    copy = type(model)(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in copy.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * scale * param.std().clamp_min(1e-3))
+    return copy
