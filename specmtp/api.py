@@ -10,7 +10,7 @@ import torch
 
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import DraftModelDrafter, Drafter, NgramDrafter
+from specmtp.drafters import Drafter, DraftModelDrafter, NgramDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel, check_tokenizers_agree, load_model, usable_vocab_size
 from specmtp.stats import GenerationStats
@@ -31,7 +31,7 @@ def build_drafter(
     This is the one place that dispatches on the spec: `ngram` or `ngram:N` (longest
     n-gram N), otherwise a model spec as for the target.
     """
-    target_vocab = usable_vocab_size(target.model, target.model, target.tokenizer)
+    target_vocab = usable_vocab_size(target, target)
     if spec is None:
         return None, target_vocab
     if spec == "ngram" or spec.startswith("ngram:"):
@@ -43,7 +43,7 @@ def build_drafter(
     check_tokenizers_agree(
         target.tokenizer, draft.tokenizer, target_name=target.spec, draft_name=draft.spec
     )
-    vocab = usable_vocab_size(target.model, draft.model, target.tokenizer)
+    vocab = usable_vocab_size(target, draft)
     return DraftModelDrafter(draft.model, vocab_size=vocab, name=spec), vocab
 
 
@@ -82,7 +82,7 @@ class SpecGenerator:
             detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
         )
         self.last_stats: GenerationStats | None = None
-        self._last_tokens: list[int] = []
+        self.last_tokens: list[int] = []
 
     def encode(self, prompt: str | Sequence[int], *, chat: bool = False) -> list[int]:
         """Token ids of a prompt; with chat, the tokenizer's chat template is applied."""
@@ -93,7 +93,7 @@ class SpecGenerator:
         tokenizer = self.target.tokenizer
         if chat:
             if tokenizer.chat_template is None:
-                raise SpecMTPError(f"{self.target.spec} has no chat template; drop --chat")
+                raise SpecMTPError(f"{self.target.spec} has no chat template")
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
             )
@@ -113,8 +113,8 @@ class SpecGenerator:
         for _ in self.stream(prompt, chat=chat, config=config, **settings):
             pass
         assert self.last_stats is not None
-        text = self.target.tokenizer.decode(self._last_tokens, skip_special_tokens=True)
-        return Completion(text, self._last_tokens, self.last_stats)
+        text = self.target.tokenizer.decode(self.last_tokens, skip_special_tokens=True)
+        return Completion(text, self.last_tokens, self.last_stats)
 
     def stream(
         self,
@@ -124,15 +124,18 @@ class SpecGenerator:
         config: GenerationConfig | None = None,
         **settings: Any,
     ) -> Iterator[str]:
-        """Yield the new text as tokens are accepted; `last_stats` holds the statistics."""
+        """Yield the new text as tokens are accepted.
+
+        Afterwards `last_tokens` and `last_stats` hold the run's tokens and statistics.
+        """
         config = make_config(config, **settings)
         ids = self.encode(prompt, chat=chat)
         stats = GenerationStats(gamma=config.gamma)
-        self.last_stats, self._last_tokens = stats, []
+        self.last_stats, self.last_tokens = stats, []
         tokenizer, shown = self.target.tokenizer, ""
         for block in self.decoder.run(ids, config, stats):
-            self._last_tokens += block
-            text = tokenizer.decode(self._last_tokens, skip_special_tokens=True)
+            self.last_tokens += block
+            text = tokenizer.decode(self.last_tokens, skip_special_tokens=True)
             if text.endswith("\ufffd") and not stats.finish_reason:
                 continue  # a multi-byte character is still incomplete
             # Decoding more tokens can, rarely, respell earlier text; the stream then

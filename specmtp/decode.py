@@ -106,7 +106,9 @@ class SpecDecoder:
         """Drafts worth proposing: none past max_new_tokens or the model's context."""
         if self.drafter is None:
             return 0
-        return max(0, min(config.gamma, config.max_new_tokens - generated - 1, self.context_length - n))
+        return max(
+            0, min(config.gamma, config.max_new_tokens - generated - 1, self.context_length - n)
+        )
 
     def _draft(
         self,
@@ -133,7 +135,9 @@ class SpecDecoder:
     ) -> Verdict:
         """One target forward over [last committed, *drafts], then the acceptance rule."""
         start = time.perf_counter()
-        logits = self.target.forward(torch.cat([context[:, -1:], proposal.tokens], 1))  # [1, k+1, V]
+        logits = self.target.forward(
+            torch.cat([context[:, -1:], proposal.tokens], 1)
+        )  # [1, k+1, V]
         if config.sampling.greedy:
             verdict = verify_greedy(proposal.tokens, logits)
         else:
@@ -153,7 +157,9 @@ class SpecDecoder:
     ) -> tuple[torch.Tensor, list[int]]:
         """Keep the accepted drafts and the next token; roll the target cache back to match."""
         n_acc = int(verdict.num_accepted[0])
-        new = torch.cat([proposal.tokens[:, :n_acc], verdict.next_tokens[:, None]], 1)  # [1, n_acc+1]
+        new = torch.cat(
+            [proposal.tokens[:, :n_acc], verdict.next_tokens[:, None]], 1
+        )  # [1, n_acc+1]
         self.target.crop(context.shape[1] + n_acc)  # the new last token stays pending
         stats.record_round(proposal.length, n_acc)
         return torch.cat([context, new], 1), new[0].tolist()

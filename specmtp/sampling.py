@@ -39,7 +39,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return tokens.reshape(probs.shape[:-1])
 
 
-def choose(probs: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+def choose(
+    probs: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None
+) -> torch.Tensor:
     """Next token from processed probs [..., V]: argmax when greedy, else a sample."""
     if cfg.greedy:
         return probs.argmax(-1)

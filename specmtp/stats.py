@@ -51,7 +51,10 @@ class GenerationStats:
     @property
     def acceptance_per_position(self) -> list[float | None]:
         """P(draft i accepted) over the rounds that drafted position i (None: never drafted)."""
-        return [a / p if p else None for a, p in zip(self.position_accepted, self.position_proposed)]
+        return [
+            a / p if p else None
+            for a, p in zip(self.position_accepted, self.position_proposed, strict=True)
+        ]
 
     @property
     def other_s(self) -> float:

@@ -20,20 +20,37 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TINY_VOCAB = 96
 
 
-def tiny_model(arch: str, *, seed: int, vocab_size: int = TINY_VOCAB, context: int = 256) -> PreTrainedModel:
+def tiny_model(
+    arch: str, *, seed: int, vocab_size: int = TINY_VOCAB, context: int = 256
+) -> PreTrainedModel:
     """A small random causal LM of the given architecture, in eval mode."""
     torch.manual_seed(seed)
-    common = {"vocab_size": vocab_size, "bos_token_id": None, "eos_token_id": None, "pad_token_id": 0}
+    common = {
+        "vocab_size": vocab_size,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": 0,
+    }
     if arch == "llama":
         config = LlamaConfig(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=64, max_position_embeddings=context, **common,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=context,
+            **common,
         )
         model = LlamaForCausalLM(config)
     elif arch == "qwen2":
         config = Qwen2Config(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=64, max_position_embeddings=context, **common,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=context,
+            **common,
         )
         model = Qwen2ForCausalLM(config)
     elif arch == "gpt2":
@@ -52,5 +69,7 @@ def perturbed_copy(model: PreTrainedModel, *, scale: float, seed: int) -> PreTra
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in copy.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * scale * param.std().clamp_min(1e-3))
+            param.add_(
+                torch.randn(param.shape, generator=generator) * scale * param.std().clamp_min(1e-3)
+            )
     return copy

@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from specmtp.config import GenerationConfig
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import DraftModelDrafter, Drafter, NgramDrafter
+from specmtp.drafters import Drafter, DraftModelDrafter, NgramDrafter
 
 ARCHS = ["llama", "qwen2", "gpt2"]
 NEW_TOKENS = 48
@@ -18,10 +18,13 @@ NEW_TOKENS = 48
 def hf_greedy(model: PreTrainedModel, prompt: list[int], new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, do_sample=False,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def make_drafter(kind: str, target: PreTrainedModel, arch: str) -> Drafter:
@@ -39,7 +42,9 @@ def make_drafter(kind: str, target: PreTrainedModel, arch: str) -> Drafter:
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_greedy_matches_hf_generate(arch: str, kind: str, gamma: int) -> None:
     target = tiny_model(arch, seed=0)
-    prompt = torch.randint(0, TINY_VOCAB, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompt = torch.randint(
+        0, TINY_VOCAB, (12,), generator=torch.Generator().manual_seed(5)
+    ).tolist()
     expected = hf_greedy(target, prompt, NEW_TOKENS)
     decoder = SpecDecoder(
         target, drafter=make_drafter(kind, target, arch), vocab_size=TINY_VOCAB, context_length=256
@@ -59,7 +64,9 @@ def test_partly_accepting_drafter_accepts_some_not_all() -> None:
     """The perturbed copy exercises both rejection and acceptance in one run."""
     target = tiny_model("llama", seed=0)
     decoder = SpecDecoder(
-        target, drafter=make_drafter("perturbed", target, "llama"), vocab_size=TINY_VOCAB,
+        target,
+        drafter=make_drafter("perturbed", target, "llama"),
+        vocab_size=TINY_VOCAB,
         context_length=256,
     )
     prompt = list(range(10))

@@ -1,0 +1,213 @@
+"""The `specmtp` command: `generate` one completion, or `bench` methods against plain decoding.
+
+Flags map onto GenerationConfig fields; a flag left out keeps the config's default, so
+defaults live in specmtp.config only. Bad input ends in one `specmtp: error: ...` line on
+stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from specmtp.api import SpecGenerator, make_config
+from specmtp.bench import BenchConfig, run_bench
+from specmtp.config import GenerationConfig, SamplingConfig
+from specmtp.errors import SpecMTPError
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+# Flag destinations that are GenerationConfig settings (see make_config); None = not given.
+_SETTINGS = ("max_new_tokens", "gamma", "seed", "temperature", "top_k", "top_p", "stop_strings")
+
+
+def _add_common_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for torch (default: torch's choice); 1 is steadier on a busy machine",
+    )
+    parser.add_argument(
+        "--target",
+        default="default",
+        help="target model: 'default' (SmolLM2-135M-Instruct), a .gguf file, a model "
+        "directory or a Hub id (default: %(default)s)",
+    )
+
+
+def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    gen, sampling = GenerationConfig(), SamplingConfig()
+    parser.add_argument("--gamma", type=int, help=f"draft tokens per round (default {gen.gamma})")
+    parser.add_argument(
+        "--max-new-tokens", type=int, help=f"most new tokens (default {gen.max_new_tokens})"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        help=f"sampling temperature; 0 is greedy (default {sampling.temperature})",
+    )
+    parser.add_argument("--top-k", type=int, help=f"0 keeps every token (default {sampling.top_k})")
+    parser.add_argument(
+        "--top-p", type=float, help=f"nucleus mass in (0, 1] (default {sampling.top_p})"
+    )
+    parser.add_argument("--seed", type=int, help=f"sampling seed (default {gen.seed})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specmtp", description="Lossless speculative decoding for Hugging Face causal LMs."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate_command(commands)
+    _add_bench_command(commands)
+    return parser
+
+
+def _add_generate_command(commands: argparse._SubParsersAction) -> None:
+    gen = commands.add_parser("generate", help="generate one completion and print statistics")
+    gen.add_argument("prompt", help="the prompt text")
+    _add_common_flags(gen)
+    gen.add_argument(
+        "--draft",
+        help="draft: a model spec as for --target, or ngram[:N] "
+        "(prompt lookup); omitted: plain decoding",
+    )
+    _add_generation_flags(gen)
+    gen.add_argument(
+        "--stop",
+        action="append",
+        dest="stop_strings",
+        metavar="STRING",
+        help="stop after this string (repeatable)",
+    )
+    gen.add_argument("--stream", action="store_true", help="print text as it is accepted")
+    gen.add_argument("--chat", action="store_true", help="apply the chat template")
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="end stdout with one JSON line: the statistics and the text",
+    )
+    gen.set_defaults(run=cmd_generate)
+
+
+def _add_bench_command(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="compare draft methods against plain decoding")
+    bench.add_argument(
+        "--prompts",
+        type=Path,
+        required=True,
+        metavar="FILE.jsonl",
+        help="Spec-Bench questions: {question_id, category, turns} per line",
+    )
+    _add_common_flags(bench)
+    bench.add_argument(
+        "--draft",
+        action="append",
+        dest="drafts",
+        default=[],
+        metavar="SPEC",
+        help="a method to compare with plain decoding (repeatable)",
+    )
+    _add_generation_flags(bench)
+    bench.add_argument("--limit", type=int, help="use only the first N prompts")
+    bench.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="unmeasured short generations per method (default %(default)s)",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per prompt and method; the median latency counts (default %(default)s)",
+    )
+    bench.set_defaults(run=cmd_bench)
+
+
+def generation_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The GenerationConfig overrides the user gave, by field name."""
+    given = {key: getattr(args, key, None) for key in _SETTINGS}
+    return {key: value for key, value in given.items() if value is not None}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    config = make_config(**generation_settings(args))  # bad settings fail before any load
+    generator = SpecGenerator(args.target, draft=args.draft)
+    if args.stream:
+        for delta in generator.stream(args.prompt, chat=args.chat, config=config):
+            print(delta, end="", flush=True)
+        print()
+        tokenizer = generator.target.tokenizer
+        text = tokenizer.decode(generator.last_tokens, skip_special_tokens=True)
+        stats = generator.last_stats
+    else:
+        completion = generator.generate(args.prompt, chat=args.chat, config=config)
+        text, stats = completion.text, completion.stats
+        print(text)
+    assert stats is not None  # set by every finished generation
+    print()
+    print(stats.summary())
+    if args.json:
+        print(json.dumps({**stats.to_dict(), "draft": args.draft, "text": text}))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    config = BenchConfig(
+        prompts=args.prompts,
+        target=args.target,
+        drafts=tuple(args.drafts),
+        generation=make_config(**generation_settings(args)),
+        limit=args.limit,
+        warmup=args.warmup,
+        repeats=args.repeats,
+    )
+    result = run_bench(config)
+    print(result.table())
+    print(json.dumps(result.to_dict()))
+    return 0
+
+
+def _quiet_libraries() -> None:
+    """Keep transformers' progress bars, info logs and warnings off the terminal."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", module=r"transformers(\.|$)")
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    if threads < 1:
+        raise SpecMTPError(f"threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split()) or "unknown error"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _quiet_libraries()
+    args = build_parser().parse_args(argv)
+    try:
+        _set_threads(args.threads)
+        return args.run(args)
+    except SpecMTPError as e:
+        print(f"specmtp: error: {_one_line(str(e))}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("specmtp: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

@@ -1,0 +1,378 @@
+"""Tree verification: one target forward scores a whole tree of drafts (Medusa, EAGLE, SpecInfer).
+
+A multi-token-prediction drafter proposes, for each of the next D positions, a few candidate
+tokens. A tree arranges them: the root is the pending last committed token, and every
+root-to-node path is one draft continuation. One forward with a tree attention mask (each
+token sees the past and its own ancestors only) and position ids = past length + depth
+gives the target's logits after every node at once.
+
+Positions in the verify pass: 0 is the root, node i is at position i + 1. Vocabulary as in
+`specmtp.verification`: the accepted path's tokens are accepted tokens; the token drawn after
+its last node is the recovered token (some child was there but none was accepted) or the bonus
+token (the path ends at a leaf). A round emits len(path) + 1 tokens.
+
+Round, for batch size 1 (`past` = cache length, the root pending as in `specmtp.decode`):
+    node_tokens = build_tree_tokens(tree, candidates)                   # [B, N]
+    logits = tree_forward(target, tree, context[:, -1:], node_tokens)   # [B, N+1, V]
+    verdict = verify_tree_greedy(tree, node_tokens, logits)  # or verify_tree_sampling
+    commit_tree_path(target, past, verdict.accepted_path(0))
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path as FilePath
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from specmtp.cache import CachedModel
+from specmtp.errors import SpecMTPError
+from specmtp.sampling import sample
+
+Path = tuple[int, ...]  # child ranks from the root: (0, 1) = 2nd candidate under the 1st
+Candidates = Sequence[torch.Tensor] | Mapping[Path, torch.Tensor]
+
+# Attention implementations that add a custom 4-D float mask to the scores as given. Flash
+# attention reads a mask as padding only, so a tree mask would be silently ignored.
+TREE_ATTENTION = ("eager", "sdpa")
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    """A tree shape as data: root-to-node paths of child ranks (Medusa's `medusa_choices`).
+
+    `TokenTree([(0,), (1,), (0, 0)])`: top-1 and top-2 candidates at depth 1, and the top-1
+    candidate at depth 2 under the first. Nodes are ordered by depth, then lexicographically;
+    everything else is derived from the paths once, here.
+    """
+
+    paths: tuple[Path, ...]
+    parents: tuple[int, ...] = field(init=False, repr=False, compare=False)  # [N] position
+    depths: tuple[int, ...] = field(init=False, repr=False, compare=False)  # [N] 1..D
+    # [N+1, C] child node indices of each position in rank order, -1 padded
+    children: torch.Tensor = field(init=False, repr=False, compare=False)
+    # [N+1, N+1] bool: [i, j] when position j is position i or one of its ancestors
+    ancestor_mask: torch.Tensor = field(init=False, repr=False, compare=False)
+    # [N, D] node indices on each node's root-to-node path, root excluded, -1 padded
+    path_table: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        paths = _validated_paths(self.paths)
+        index = {path: i for i, path in enumerate(paths)}
+        parents = tuple(index[p[:-1]] + 1 if len(p) > 1 else 0 for p in paths)
+        n, depth = len(paths), len(paths[-1])
+        ancestors = torch.eye(n + 1, dtype=torch.bool)
+        for i, parent in enumerate(parents):  # parents come first in node order
+            ancestors[i + 1] |= ancestors[parent]
+        kids = [[i for i, parent in enumerate(parents) if parent == pos] for pos in range(n + 1)]
+        width = max(len(k) for k in kids)
+        children = torch.tensor([k + [-1] * (width - len(k)) for k in kids])
+        table = [[index[p[:d]] for d in range(1, len(p) + 1)] for p in paths]
+        path_table = torch.tensor([row + [-1] * (depth - len(row)) for row in table])
+        for name, value in [
+            ("paths", paths),
+            ("parents", parents),
+            ("depths", tuple(len(p) for p in paths)),
+            ("children", children),
+            ("ancestor_mask", ancestors),
+            ("path_table", path_table),
+        ]:
+            object.__setattr__(self, name, value)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths)
+
+    @property
+    def max_depth(self) -> int:
+        return self.depths[-1]
+
+    def pruned(self, max_depth: int) -> TokenTree:
+        """The nodes at depth <= max_depth: for a round near the token or context budget."""
+        return TokenTree(tuple(p for p in self.paths if len(p) <= max_depth))
+
+    def to_json(self) -> str:
+        return json.dumps([list(p) for p in self.paths])
+
+    @classmethod
+    def from_json(cls, text: str) -> TokenTree:
+        try:
+            paths = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecMTPError(f"a token tree must be JSON (a list of lists): {e}") from e
+        if not isinstance(paths, list) or not all(isinstance(p, list) for p in paths):
+            raise SpecMTPError("a token tree must be a JSON list of lists of child ranks")
+        return cls(tuple(tuple(p) for p in paths))
+
+    @classmethod
+    def load(cls, path: str | FilePath) -> TokenTree:
+        return cls.from_json(FilePath(path).read_text())
+
+    def save(self, path: str | FilePath) -> None:
+        FilePath(path).write_text(self.to_json() + "\n")
+
+
+def _validated_paths(paths: Sequence[Sequence[int]]) -> tuple[Path, ...]:
+    """Paths as tuples in node order; SpecMTPError unless they form a non-empty tree."""
+    normalised = [tuple(p) for p in paths]
+    if not normalised:
+        raise SpecMTPError("a token tree needs at least one node")
+    for path in normalised:
+        if not path or not all(type(r) is int and r >= 0 for r in path):
+            raise SpecMTPError(f"tree path {list(path)}: needs one or more ranks, ints >= 0")
+    if len(set(normalised)) != len(normalised):
+        raise SpecMTPError("the token tree lists a path twice")
+    present = set(normalised)
+    for path in normalised:
+        if len(path) > 1 and path[:-1] not in present:
+            raise SpecMTPError(f"tree path {list(path)} has no parent {list(path[:-1])}")
+    return tuple(sorted(normalised, key=lambda p: (len(p), p)))
+
+
+def build_tree_tokens(tree: TokenTree, candidates: Candidates) -> torch.Tensor:
+    """The token of every node: [B, N].
+
+    candidates: either per-depth candidates, `candidates[d]` [B, K_d] in rank order for depth
+    d + 1 (Medusa heads: a node's token depends on its depth and rank only), or a mapping from
+    each path to its tokens [B] (drafters whose candidates depend on the parent, like EAGLE).
+    """
+    if isinstance(candidates, Mapping):
+        missing = [list(p) for p in tree.paths if p not in candidates]
+        if missing:
+            raise SpecMTPError(f"no candidate tokens for tree paths {missing}")
+        return torch.stack([candidates[p] for p in tree.paths], 1)
+    if len(candidates) < tree.max_depth:
+        raise SpecMTPError(f"the tree is {tree.max_depth} deep; {len(candidates)} depths drafted")
+    for path in tree.paths:
+        if path[-1] >= candidates[len(path) - 1].shape[1]:
+            raise SpecMTPError(
+                f"tree path {list(path)} needs {path[-1] + 1} candidates at depth {len(path)}, "
+                f"got {candidates[len(path) - 1].shape[1]}"
+            )
+    return torch.stack([candidates[len(p) - 1][:, p[-1]] for p in tree.paths], 1)
+
+
+def tree_attention_inputs(
+    tree: TokenTree, past_length: int, *, dtype: torch.dtype, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The additive mask [1, 1, N+1, past+N+1] and position ids [1, N+1] of a tree forward.
+
+    The mask is 0 where a position may attend (every past position, then its tree ancestors
+    and itself) and the dtype's minimum elsewhere, as transformers builds its own. A boolean
+    mask would do for SDPA but eager attention adds it to the scores, so it must be float.
+    """
+    if not dtype.is_floating_point:
+        raise SpecMTPError(f"a tree attention mask must be a float dtype, got {dtype}")
+    n = tree.num_nodes
+    allowed = torch.cat(
+        [torch.ones(n + 1, past_length, dtype=torch.bool), tree.ancestor_mask], 1
+    ).to(device)  # [N+1, past+N+1]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
+    positions = past_length + torch.tensor((0, *tree.depths), device=device)  # [N+1]
+    return mask[None, None], positions[None]
+
+
+def check_tree_attention(model: PreTrainedModel) -> None:
+    """Refuse models whose attention would not apply a custom 4-D mask as given."""
+    implementation = model.config._attn_implementation
+    if implementation not in TREE_ATTENTION:
+        raise SpecMTPError(
+            f"tree verification needs an attention that applies a 4-D mask "
+            f"({', '.join(TREE_ATTENTION)}); this model uses {implementation!r}"
+        )
+
+
+@torch.inference_mode()
+def tree_forward(
+    target: CachedModel, tree: TokenTree, root: torch.Tensor, node_tokens: torch.Tensor
+) -> torch.Tensor:
+    """Append the root [B, 1] and the tree's tokens [B, N]; return logits [B, N+1, V].
+
+    Row i scores the token after position i. The cache grows by N + 1 positions; follow with
+    `commit_tree_path` to keep the root and the accepted path only.
+    """
+    check_tree_attention(target.model)
+    mask, positions = tree_attention_inputs(
+        tree, target.length, dtype=target.model.dtype, device=root.device
+    )
+    out = target.model(
+        input_ids=torch.cat([root, node_tokens], 1),
+        attention_mask=mask,
+        position_ids=positions,
+        cache=target.cache,
+        use_cache=True,
+    )
+    target.length += tree.num_nodes + 1
+    return out.logits[..., : target.vocab_size]
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    path_nodes: torch.Tensor  # [B, D] int64: accepted nodes, root to leaf; -1 past num_accepted
+    num_accepted: torch.Tensor  # [B] int64 in 0..D
+    next_tokens: torch.Tensor  # [B] int64: the recovered token, or the bonus token at a leaf
+
+    def accepted_path(self, row: int = 0) -> list[int]:
+        return self.path_nodes[row, : int(self.num_accepted[row])].tolist()
+
+
+def verify_tree_greedy(
+    tree: TokenTree, node_tokens: torch.Tensor, target_logits: torch.Tensor
+) -> TreeVerdict:
+    """Temperature 0: the longest root-to-node path whose every token is the target's argmax
+    after its parent; the next token is the argmax after the path's last node.
+
+    node_tokens   [B, N]
+    target_logits [B, N+1, V]: row i scores the token after position i (0: the root)
+    """
+    device = node_tokens.device
+    target_argmax = target_logits.argmax(-1)  # [B, N+1]
+    parents = torch.tensor(tree.parents, device=device)  # [N]
+    match = node_tokens == target_argmax[:, parents]  # [B, N]
+    # A node is accepted when it and all its ancestors match.
+    ancestors = tree.ancestor_mask[1:, 1:].to(device)  # [N, N]
+    accepted = ~(ancestors & ~match[:, None, :]).any(-1)  # [B, N]
+    depth = accepted * torch.tensor(tree.depths, device=device)  # [B, N]
+    best = depth.argmax(-1)  # [B]: the deepest accepted node (the first one on ties)
+    num_accepted = depth.gather(1, best[:, None]).squeeze(1)  # [B]: 0 when none is accepted
+    path_nodes = tree.path_table.to(device)[best]  # [B, D]
+    path_nodes = path_nodes.masked_fill((num_accepted == 0)[:, None], -1)
+    last = torch.where(num_accepted > 0, best + 1, 0)  # [B] position of the path's end
+    next_tokens = target_argmax.gather(1, last[:, None]).squeeze(1)  # [B]
+    return TreeVerdict(path_nodes, num_accepted, next_tokens)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, p - q)) per row [B, V]; p itself where that has no mass (p == q, a
+    rejection of probability 0 that only float round-off reaches)."""
+    residual = (p - q).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)  # [B, 1]
+    return torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
+
+
+def multi_candidate_rejection(
+    p: torch.Tensor,
+    tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    valid: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tree node: SpecInfer's multi-step speculative sampling over its children.
+
+    Try the children in rank order: accept x_c with probability min(1, p(x_c) / q_c(x_c));
+    on rejection replace p by normalize(max(0, p - q_c)) and try the next child. With q_c
+    one-hot (draft_probs None) that is: accept with probability p(x_c), else remove x_c
+    from p and renormalise.
+
+    p           [B, V] target distribution at the node
+    tokens      [B, C] children's tokens in rank order
+    draft_probs [B, C, V] or None
+    valid       [B, C] bool: which child slots hold a child to try
+    Returns the accepted slot [B] (-1: none) and the residual [B, V] to draw the recovered
+    token from when none is accepted.
+    """
+    batch, width = tokens.shape
+    choice = torch.full((batch,), -1, dtype=torch.long, device=p.device)
+    for c in range(width):
+        x = tokens[:, c : c + 1]  # [B, 1]
+        if draft_probs is None:
+            q = torch.nn.functional.one_hot(x[:, 0], p.shape[-1]).to(p.dtype)  # [B, V]
+        else:
+            q = draft_probs[:, c]  # [B, V]
+        p_x, q_x = p.gather(1, x)[:, 0], q.gather(1, x)[:, 0]  # [B]
+        r = torch.rand(batch, generator=generator, device=p.device)  # [B]
+        trying = valid[:, c] & (choice < 0)
+        accept = trying & (r * q_x < p_x)  # r < p/q without the division
+        choice = torch.where(accept, c, choice)
+        p = torch.where((trying & ~accept)[:, None], _residual(p, q), p)
+    return choice, p
+
+
+def verify_tree_sampling(
+    tree: TokenTree,
+    node_tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+    draft_probs: torch.Tensor | None = None,
+) -> TreeVerdict:
+    """Temperature > 0: recursive rejection sampling down the tree (SpecInfer, Miao et al.
+    2024; with one-hot drafts, the sequential elimination of Medusa-style typical trees).
+
+    From the root, `multi_candidate_rejection` at the current node either accepts one child,
+    which becomes the current node, or rejects all and the recovered token is drawn from the
+    residual; at a leaf the bonus token is drawn from p after it.
+
+    Why it is lossless: at a node with prefix s, the token it emits is distributed as
+    p(. | s). One child x with q one-hot: P(x) = p(x); otherwise, with probability 1 - p(x),
+    the rest runs on p with x removed and renormalised, which by induction over the
+    remaining children yields y != x with probability p(y) / (1 - p(x)), so P(y) = p(y).
+    With x_c drawn from q_c, the same induction over the one-draft identity
+    min(p, q_c) + (1 - sum min(p, q_c)) * normalize(max(0, p - q_c)) = p
+    holds. An emitted token equal to child c continues at c, whose target row is p(. | s, x_c),
+    so the tokens of a round follow the target's chain rule, and so do all rounds.
+    Conditions: the tree's tokens are fixed before verification; q_c is the distribution child
+    c was drawn from, independently of its siblings. Candidates chosen any other way (top-k,
+    sampling without replacement) must be passed with draft_probs None: one-hot q is exact
+    for any fixed tokens, duplicates included (a rejected token has p = 0 afterwards).
+
+    node_tokens  [B, N]
+    target_probs [B, N+1, V]: row i is the target's distribution after position i
+    draft_probs  [B, N, V] or None: node i's q (the drafter's distribution at its parent)
+    """
+    batch, vocab = node_tokens.shape[0], target_probs.shape[-1]
+    device = node_tokens.device
+    rows = torch.arange(batch, device=device)
+    children = tree.children.to(device)  # [N+1, C]
+    position = torch.zeros(batch, dtype=torch.long, device=device)  # [B] current node
+    live = torch.ones(batch, dtype=torch.bool, device=device)  # [B] still walking down
+    path_nodes = torch.full((batch, tree.max_depth), -1, dtype=torch.long, device=device)
+    p = target_probs[:, 0]  # [B, V]
+    for depth in range(tree.max_depth):
+        kids = children[position]  # [B, C]
+        slots = kids.clamp_min(0)  # [B, C] gatherable indices
+        q = None
+        if draft_probs is not None:
+            q = draft_probs.gather(1, slots[..., None].expand(-1, -1, vocab))  # [B, C, V]
+        choice, residual = multi_candidate_rejection(
+            p, node_tokens.gather(1, slots), q, (kids >= 0) & live[:, None], generator
+        )
+        live = choice >= 0
+        node = slots.gather(1, choice.clamp_min(0)[:, None]).squeeze(1)  # [B]
+        path_nodes[:, depth] = torch.where(live, node, -1)
+        position = torch.where(live, node + 1, position)
+        p = torch.where(live[:, None], target_probs[rows, position], residual)
+    next_tokens = sample(p, generator)  # [B]
+    return TreeVerdict(path_nodes, (path_nodes >= 0).sum(-1), next_tokens)
+
+
+@torch.inference_mode()
+def keep_cache_positions(cache: DynamicCache, start: int, kept: torch.Tensor) -> None:
+    """Keep positions 0..start-1 and then `kept` [m] (ascending, >= start) of every layer."""
+    for layer in cache.layers:
+        if layer.is_initialized:
+            end = start + len(kept)
+            for name in ("keys", "values"):
+                states = getattr(layer, name)  # [B, H, S, d]
+                states[..., start:end, :] = states.index_select(-2, kept.to(states.device))
+                setattr(layer, name, states[..., :end, :])
+
+
+def commit_tree_path(target: CachedModel, past_length: int, path_nodes: Sequence[int]) -> None:
+    """After `tree_forward` at `past_length`, keep the root and the accepted path's positions.
+
+    All rows of the batch keep the same path. The token drawn after the path is not in the
+    cache: it is the next round's root.
+    """
+    kept = [past_length] + [past_length + 1 + node for node in path_nodes]
+    if any(b <= a for a, b in pairwise(kept)) or kept[-1] >= target.length:
+        raise SpecMTPError(
+            f"path {list(path_nodes)} is not a tree path in the {target.length - past_length} "
+            "positions of the last tree forward"
+        )
+    keep_cache_positions(target.cache, past_length, torch.tensor(kept))
+    target.length = past_length + len(kept)

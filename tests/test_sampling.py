@@ -1,0 +1,65 @@
+"""Logits processing against Hugging Face's own warpers, and the greedy verification rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from specmtp.config import SamplingConfig
+from specmtp.sampling import logits_to_probs
+from specmtp.verification import verify_greedy, verify_rejection_sampling
+
+
+def hf_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    scores = TemperatureLogitsWarper(cfg.temperature)(None, logits.clone())
+    if cfg.top_k:
+        scores = TopKLogitsWarper(cfg.top_k)(None, scores)
+    if cfg.top_p < 1:
+        scores = TopPLogitsWarper(cfg.top_p)(None, scores)
+    return scores.softmax(-1)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SamplingConfig(temperature=1.0),
+        SamplingConfig(temperature=0.6, top_k=5),
+        SamplingConfig(temperature=1.3, top_p=0.7),
+        SamplingConfig(temperature=0.9, top_k=12, top_p=0.85),
+    ],
+)
+def test_logits_to_probs_matches_hf_warpers(cfg: SamplingConfig) -> None:
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0)) * 3
+    torch.testing.assert_close(logits_to_probs(logits, cfg), hf_probs(logits, cfg))
+
+
+def test_greedy_probs_are_one_hot_argmax() -> None:
+    logits = torch.randn(3, 4, 10)
+    probs = logits_to_probs(logits, SamplingConfig())
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1))
+    assert torch.equal(probs.sum(-1), torch.ones(3, 4))
+
+
+def test_verify_greedy_accepts_the_matching_prefix_per_row() -> None:
+    argmax = torch.tensor([[4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7]])  # [B, k+1]
+    logits = torch.nn.functional.one_hot(argmax, 10).float()  # [B, k+1, V]
+    drafts = torch.tensor([[4, 5, 6], [4, 9, 6], [1, 5, 6]])  # all, one, none accepted
+    verdict = verify_greedy(drafts, logits)
+    assert verdict.num_accepted.tolist() == [3, 1, 0]
+    assert verdict.next_tokens.tolist() == [7, 5, 4]  # bonus, then the corrections
+
+
+def test_rejection_sampling_at_temperature_zero_is_greedy() -> None:
+    """With one-hot p and q the stochastic rule reduces exactly to the greedy one."""
+    argmax = torch.randint(0, 10, (200, 5), generator=torch.Generator().manual_seed(1))
+    p = torch.nn.functional.one_hot(argmax, 10).float()
+    drafts = torch.where(torch.rand(200, 4) < 0.7, argmax[:, :4], torch.randint(0, 10, (200, 4)))
+    expected = verify_greedy(drafts, p)
+    got = verify_rejection_sampling(drafts, None, p, torch.Generator().manual_seed(2))
+    assert torch.equal(got.num_accepted, expected.num_accepted)
+    assert torch.equal(got.next_tokens, expected.next_tokens)

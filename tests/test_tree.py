@@ -1,0 +1,465 @@
+"""Tree verification: the tree shape, the tree forward, greedy and sampling rules, the commit.
+
+Three layers:
+1. The tree as data and the pure functions, against slow references.
+2. Statistical losslessness of `verify_tree_sampling` on Markov chains (the statistic and the
+   chains of test_lossless), and two wrong rules that the same check rejects.
+3. Tiny random models: tree logits equal chain logits, the committed cache equals a fresh
+   one, and greedy tree decoding equals `generate(do_sample=False)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path as FilePath
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, perturbed_copy, tiny_model
+from test_lossless import P_FAIL, START, V, fit, markov_chains, markov_joint
+from transformers import PreTrainedModel
+
+from specmtp import tree
+from specmtp.cache import CachedModel
+from specmtp.config import SamplingConfig
+from specmtp.errors import SpecMTPError
+from specmtp.tree import (
+    Path,
+    TokenTree,
+    TreeVerdict,
+    build_tree_tokens,
+    check_tree_attention,
+    commit_tree_path,
+    tree_attention_inputs,
+    tree_forward,
+    verify_tree_greedy,
+    verify_tree_sampling,
+)
+
+# The Medusa-style example: two candidates at depth 1, three nodes below them, one at depth 3.
+MEDUSA = TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Small tensors only: one thread is faster than several on shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+# --- layer 1: the tree as data --------------------------------------------------------------
+
+
+def test_tree_derives_order_parents_depths_and_ancestors() -> None:
+    shuffled = TokenTree([(0, 0, 0), (1, 0), (0,), (0, 1), (1,), (0, 0)])
+    assert shuffled == MEDUSA and hash(shuffled) == hash(MEDUSA)
+    assert MEDUSA.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+    assert MEDUSA.parents == (0, 0, 1, 1, 2, 3)  # positions: 0 is the root, node i is i + 1
+    assert MEDUSA.depths == (1, 1, 2, 2, 2, 3)
+    assert MEDUSA.children.tolist() == [
+        [0, 1],
+        [2, 3],
+        [4, -1],
+        [5, -1],
+        [-1, -1],
+        [-1, -1],
+        [-1, -1],
+    ]
+    assert MEDUSA.path_table.tolist() == [
+        [0, -1, -1], [1, -1, -1], [0, 2, -1], [0, 3, -1], [1, 4, -1], [0, 2, 5]
+    ]  # fmt: skip
+    expected = torch.zeros(7, 7, dtype=torch.bool)
+    ancestors = [[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 4], [0, 2, 5], [0, 1, 3, 6]]
+    for position, row in enumerate(ancestors):
+        expected[position, row] = True
+    assert torch.equal(MEDUSA.ancestor_mask, expected)
+    assert MEDUSA.pruned(2).paths == MEDUSA.paths[:5]
+
+
+@pytest.mark.parametrize(
+    ("paths", "message"),
+    [
+        ([], "at least one node"),
+        ([(0,), (1, 0)], "no parent"),
+        ([(0,), (0,)], "twice"),
+        ([(0,), ()], "one or more ranks"),
+        ([(-1,)], "ints >= 0"),
+    ],
+)
+def test_tree_refuses_what_is_not_a_tree(paths: list[Path], message: str) -> None:
+    with pytest.raises(SpecMTPError, match=message):
+        TokenTree(paths)
+
+
+def test_tree_json_round_trip(tmp_path: FilePath) -> None:
+    MEDUSA.save(tmp_path / "tree.json")
+    assert TokenTree.load(tmp_path / "tree.json") == MEDUSA
+    assert TokenTree.from_json("[[1], [0], [0, 0]]").paths == ((0,), (1,), (0, 0))
+    for text in ("[[0], [0, 5", '{"a": 1}', "[[0], [0, 0.5]]"):
+        with pytest.raises(SpecMTPError):
+            TokenTree.from_json(text)
+
+
+def test_build_tree_tokens_per_depth_and_per_path() -> None:
+    candidates = [  # per depth, [B=2, K_d]
+        torch.tensor([[10, 11], [20, 21]]),
+        torch.tensor([[30, 31], [30, 31]]),
+        torch.tensor([[40], [40]]),
+    ]
+    assert build_tree_tokens(MEDUSA, candidates).tolist() == [
+        [10, 11, 30, 31, 30, 40],
+        [20, 21, 30, 31, 30, 40],
+    ]
+    by_path = {path: torch.tensor([i, 100 + i]) for i, path in enumerate(MEDUSA.paths)}
+    assert build_tree_tokens(MEDUSA, by_path).tolist() == [list(range(6)), list(range(100, 106))]
+    with pytest.raises(SpecMTPError, match="needs 2 candidates at depth 2"):
+        build_tree_tokens(MEDUSA, [candidates[0], candidates[1][:, :1], candidates[2]])
+    with pytest.raises(SpecMTPError, match="3 deep"):
+        build_tree_tokens(MEDUSA, candidates[:2])
+    with pytest.raises(SpecMTPError, match="no candidate tokens"):
+        build_tree_tokens(MEDUSA, {(0,): torch.tensor([1])})
+
+
+def test_tree_attention_inputs() -> None:
+    mask, positions = tree_attention_inputs(MEDUSA, 4, dtype=torch.float32, device="cpu")
+    assert mask.shape == (1, 1, 7, 11) and mask.dtype == torch.float32
+    allowed = mask[0, 0] == 0
+    assert bool(allowed[:, :4].all())  # every position sees the whole past
+    assert torch.equal(allowed[:, 4:], MEDUSA.ancestor_mask)
+    assert bool((mask[0, 0][~allowed] == torch.finfo(torch.float32).min).all())
+    assert positions.tolist() == [[4, 5, 5, 6, 6, 6, 7]]
+    with pytest.raises(SpecMTPError, match="float"):
+        tree_attention_inputs(MEDUSA, 4, dtype=torch.bool, device="cpu")
+
+
+def test_attention_without_4d_masks_is_refused() -> None:
+    flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    with pytest.raises(SpecMTPError, match="flash_attention_2"):
+        check_tree_attention(flash)
+
+
+def reference_greedy(tree_: TokenTree, tokens: list[int], argmax: list[int]) -> list[int]:
+    """Slow and obvious: try every node's root-to-node path; keep the first longest that
+    matches the target's argmax after each parent. Returns its nodes, then the next token."""
+    index = {path: i for i, path in enumerate(tree_.paths)}
+    best: list[int] = []
+    for path in tree_.paths:
+        chain = [index[path[:d]] for d in range(1, len(path) + 1)]
+        before = [0] + [node + 1 for node in chain[:-1]]  # the position each token follows
+        if all(tokens[n] == argmax[b] for n, b in zip(chain, before, strict=True)):
+            best = chain if len(chain) > len(best) else best
+    return [*best, argmax[best[-1] + 1 if best else 0]]
+
+
+def test_verify_tree_greedy_matches_the_reference() -> None:
+    generator = torch.Generator().manual_seed(0)
+    batch, vocab = 4000, 3  # a small vocabulary, so that every path length occurs
+    node_tokens = torch.randint(0, vocab, (batch, MEDUSA.num_nodes), generator=generator)
+    logits = torch.randn(batch, MEDUSA.num_nodes + 1, vocab, generator=generator)
+    verdict = verify_tree_greedy(MEDUSA, node_tokens, logits)
+    argmax = logits.argmax(-1)
+    for row in range(batch):
+        expected = reference_greedy(MEDUSA, node_tokens[row].tolist(), argmax[row].tolist())
+        assert [*verdict.accepted_path(row), int(verdict.next_tokens[row])] == expected
+    assert set(verdict.num_accepted.tolist()) == {0, 1, 2, 3}
+
+
+def test_sampling_with_a_one_hot_target_is_greedy() -> None:
+    generator = torch.Generator().manual_seed(0)
+    node_tokens = torch.randint(0, 3, (2000, MEDUSA.num_nodes), generator=generator)
+    logits = torch.randn(2000, MEDUSA.num_nodes + 1, 3, generator=generator)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), 3).float()
+    greedy = verify_tree_greedy(MEDUSA, node_tokens, logits)
+    sampled = verify_tree_sampling(MEDUSA, node_tokens, one_hot, generator)
+    assert torch.equal(sampled.path_nodes, greedy.path_nodes)
+    assert torch.equal(sampled.next_tokens, greedy.next_tokens)
+
+
+# --- layer 2: statistical losslessness on Markov chains -------------------------------------
+
+BINARY = TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1)])  # 2 children, 2 levels
+ROWS = 200_000
+LENGTH = 3  # the window: a first round reaching a leaf ends it with a bonus token
+SAMPLINGS = {
+    "t1.0": SamplingConfig(temperature=1.0),
+    "t0.7-topk3": SamplingConfig(temperature=0.7, top_k=3),
+}
+
+
+def draft_tree(
+    q: torch.Tensor, last: torch.Tensor, *, sampled: bool, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The draft Markov chain q [V, V] grows BINARY under each row's last token [m]: the top-2
+    of q after the parent (one-hot drafts) or two independent draws from it (with q).
+    Returns node tokens [m, N] and the q each was drawn from [m, N, V] (or None)."""
+    tokens: dict[Path, torch.Tensor] = {}
+    for path in BINARY.paths:
+        parent = last if len(path) == 1 else tokens[path[:-1]]
+        row = q[parent]  # [m, V]
+        if sampled:
+            tokens[path] = torch.multinomial(row, 1, generator=generator)[:, 0]
+        else:
+            tokens[path] = row.topk(2).indices[:, path[-1]]
+    node_tokens = build_tree_tokens(BINARY, tokens)  # [m, N]
+    if not sampled:
+        return node_tokens, None
+    positions = torch.cat([last[:, None], node_tokens], 1)  # [m, N+1]
+    return node_tokens, q[positions[:, list(BINARY.parents)]]
+
+
+@dataclass(frozen=True)
+class TreeSimulation:
+    counts: torch.Tensor  # [V] * LENGTH
+    second_child_rows: float  # first rounds that accepted the rank-2 child at depth 1
+    leaf_rows: float  # first rounds that reached a leaf (bonus token)
+    rejected_rows: float  # first rounds that accepted nothing
+
+
+def simulate_tree(p: torch.Tensor, q: torch.Tensor, *, sampled: bool, seed: int) -> TreeSimulation:
+    """Tree speculative generation of LENGTH tokens in ROWS independent rows at once."""
+    generator = torch.Generator().manual_seed(seed)
+    depth = BINARY.max_depth
+    out = torch.zeros(ROWS, LENGTH, dtype=torch.long)
+    count = torch.zeros(ROWS, dtype=torch.long)
+    last = torch.full((ROWS,), START)
+    first: TreeVerdict | None = None
+    while bool((count < LENGTH).any()):
+        live = (count < LENGTH).nonzero().squeeze(1)  # [m]
+        node_tokens, draft_probs = draft_tree(q, last[live], sampled=sampled, generator=generator)
+        positions = torch.cat([last[live, None], node_tokens], 1)  # [m, N+1]
+        verdict = tree.verify_tree_sampling(
+            BINARY, node_tokens, p[positions], generator, draft_probs
+        )
+        if first is None:
+            first = verdict
+        accepted, next_tokens = verdict.num_accepted, verdict.next_tokens  # [m]
+        new = node_tokens.gather(1, verdict.path_nodes.clamp_min(0))  # [m, D]
+        new = torch.cat([new, next_tokens[:, None]], 1)  # [m, D+1]
+        new.scatter_(1, accepted[:, None], next_tokens[:, None])
+        offsets = torch.arange(depth + 1)
+        position = count[live, None] + offsets  # [m, D+1]
+        keep = (offsets <= accepted[:, None]) & (position < LENGTH)
+        out[live[:, None].expand(-1, depth + 1)[keep], position[keep]] = new[keep]
+        last[live] = next_tokens
+        count[live] += accepted + 1
+    index = (out * V ** torch.arange(LENGTH - 1, -1, -1)).sum(1)
+    counts = torch.bincount(index, minlength=V**LENGTH).reshape([V] * LENGTH)
+    return TreeSimulation(
+        counts,
+        (first.path_nodes[:, 0] == 1).double().mean().item(),
+        (first.num_accepted == depth).double().mean().item(),
+        (first.num_accepted == 0).double().mean().item(),
+    )
+
+
+@pytest.mark.parametrize("drafts", ["one_hot", "sampled"])
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+def test_tree_sampling_emits_the_target_joint(sampling: str, drafts: str) -> None:
+    p, q = markov_chains(SAMPLINGS[sampling])
+    sim = simulate_tree(p, q, sampled=drafts == "sampled", seed=1)
+    # Every way a round can end shapes the window, the second child's residual included.
+    assert sim.second_child_rows > 0.05, sim
+    assert sim.leaf_rows > 0.05, sim
+    assert sim.rejected_rows > 0.05, sim
+    result = fit(sim.counts, markov_joint(p, LENGTH))
+    assert result.passes, result
+
+
+MultiCandidate = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Generator | None],
+    tuple[torch.Tensor, torch.Tensor],
+]
+REAL_RULE: MultiCandidate = tree.multi_candidate_rejection
+
+
+def rejection_against_original_p(
+    p: torch.Tensor,  # [B, V]
+    tokens: torch.Tensor,  # [B, C]
+    draft_probs: torch.Tensor | None,  # [B, C, V]
+    valid: torch.Tensor,  # [B, C]
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossy: a later child is tested against the node's ORIGINAL p, not the residual its
+    rejected elder siblings left; the fallback residual is right."""
+    choice = torch.full((tokens.shape[0],), -1)
+    residual = p
+    for c in range(tokens.shape[1]):
+        x = tokens[:, c : c + 1]
+        if draft_probs is None:
+            q = torch.nn.functional.one_hot(x[:, 0], V).float()  # [B, V]
+        else:
+            q = draft_probs[:, c]  # [B, V]
+        r = torch.rand(tokens.shape[0], generator=generator)
+        trying = valid[:, c] & (choice < 0)
+        accept = trying & (r * q.gather(1, x)[:, 0] < p.gather(1, x)[:, 0])
+        choice = torch.where(accept, c, choice)
+        residual = torch.where((trying & ~accept)[:, None], tree._residual(residual, q), residual)
+    return choice, residual
+
+
+def rejection_fallback_from_p(
+    p: torch.Tensor,
+    tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    valid: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossy: the real rule, but when every child is rejected the recovered token is drawn
+    from the full p instead of the residual."""
+    choice, _ = REAL_RULE(p, tokens, draft_probs, valid, generator)
+    return choice, p
+
+
+@pytest.mark.parametrize("drafts", ["one_hot", "sampled"])
+@pytest.mark.parametrize("rule", [rejection_against_original_p, rejection_fallback_from_p])
+def test_wrong_tree_rules_fail_the_same_check(
+    rule: MultiCandidate, drafts: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tree, "multi_candidate_rejection", rule)
+    p, q = markov_chains(SAMPLINGS["t1.0"])
+    sim = simulate_tree(p, q, sampled=drafts == "sampled", seed=1)
+    result = fit(sim.counts, markov_joint(p, LENGTH))
+    assert result.p_value < P_FAIL, result
+    assert result.tv > result.tv_bound, result
+
+
+# --- layer 3: tiny random models -------------------------------------------------------------
+
+ARCHS = ["llama", "qwen2", "gpt2"]
+PROMPT = torch.tensor([[5, 17, 3, 42, 8, 23, 61, 7, 12]])
+
+Draft = Callable[[torch.Tensor], list[torch.Tensor]]
+
+
+def chain_candidates(model: PreTrainedModel, *, width: int = 2, sign: float = 1.0) -> Draft:
+    """Medusa-like per-depth candidates from a model: its top-`width` tokens at each of the
+    next MEDUSA.max_depth positions along its own greedy chain (sign -1: the bottom ones,
+    which the target never accepts)."""
+
+    @torch.no_grad()
+    def draft(context: torch.Tensor) -> list[torch.Tensor]:
+        candidates = []
+        for _ in range(MEDUSA.max_depth):
+            logits = sign * model(input_ids=context).logits[:, -1, :TINY_VOCAB]  # [B, V]
+            candidates.append(logits.topk(width, -1).indices)  # [B, width]
+            context = torch.cat([context, candidates[-1][:, :1]], 1)
+        return candidates
+
+    return draft
+
+
+@torch.no_grad()
+def last_logits(model: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids).logits[:, -1, :TINY_VOCAB]  # [B, V]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_logits_equal_chain_logits(arch: str, attention: str) -> None:
+    model = tiny_model(arch, seed=0)
+    model.set_attn_implementation(attention)
+    target = CachedModel(model, vocab_size=TINY_VOCAB)
+    target.forward(PROMPT[:, :-1])
+    draft = chain_candidates(perturbed_copy(model, scale=1.0, seed=1))
+    node_tokens = build_tree_tokens(MEDUSA, draft(PROMPT))  # [1, N]
+    logits = tree_forward(target, MEDUSA, PROMPT[:, -1:], node_tokens)  # [1, N+1, V]
+    assert target.length == PROMPT.shape[1] + MEDUSA.num_nodes
+    torch.testing.assert_close(logits[:, 0], last_logits(model, PROMPT), atol=1e-5, rtol=1e-4)
+    for node, row in enumerate(MEDUSA.path_table.tolist()):
+        chain = [n for n in row if n >= 0]
+        ids = torch.cat([PROMPT, node_tokens[:, chain]], 1)
+        expected = last_logits(model, ids)
+        torch.testing.assert_close(logits[:, node + 1], expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_committed_cache_equals_a_fresh_one(arch: str) -> None:
+    """Commit every node's path in turn (the greedy verdict's among them) and compare the
+    cache with a fresh forward over the same tokens."""
+    model = tiny_model(arch, seed=0)
+    node_tokens = build_tree_tokens(MEDUSA, chain_candidates(model)(PROMPT))
+    paths = [[n for n in row if n >= 0] for row in MEDUSA.path_table.tolist()]
+    for path in [[], *paths]:
+        target = CachedModel(model, vocab_size=TINY_VOCAB)
+        target.forward(PROMPT[:, :-1])
+        past = target.length
+        logits = tree_forward(target, MEDUSA, PROMPT[:, -1:], node_tokens)
+        if path == paths[-1]:  # the model drafting for itself: its greedy chain passes
+            assert verify_tree_greedy(MEDUSA, node_tokens, logits).accepted_path() == path
+        commit_tree_path(target, past, path)
+        fresh = CachedModel(model, vocab_size=TINY_VOCAB)
+        fresh.forward(torch.cat([PROMPT, node_tokens[:, path]], 1))
+        assert target.length == fresh.length == PROMPT.shape[1] + len(path)
+        for ours, theirs in zip(target.cache.layers, fresh.cache.layers, strict=True):
+            torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(ours.values, theirs.values, atol=1e-5, rtol=1e-4)
+
+
+def test_commit_refuses_a_path_outside_the_tree_forward() -> None:
+    target = CachedModel(tiny_model("llama", seed=0), vocab_size=TINY_VOCAB)
+    target.forward(PROMPT)
+    with pytest.raises(SpecMTPError, match="not a tree path"):
+        commit_tree_path(target, 3, [2, 1])
+    with pytest.raises(SpecMTPError, match="not a tree path"):
+        commit_tree_path(target, 3, [10])
+
+
+def tree_generate_greedy(
+    model: PreTrainedModel, draft: Draft, new_tokens: int
+) -> tuple[list[int], list[int]]:
+    """A minimal greedy tree decode loop: the new tokens, and the accepted count per round."""
+    target = CachedModel(model, vocab_size=TINY_VOCAB)
+    context = PROMPT
+    target.forward(context[:, :-1])  # the last prompt token is pending: the first root
+    accepted = []
+    while context.shape[1] < PROMPT.shape[1] + new_tokens:
+        past = target.length
+        node_tokens = build_tree_tokens(MEDUSA, draft(context))  # [1, N]
+        logits = tree_forward(target, MEDUSA, context[:, -1:], node_tokens)  # [1, N+1, V]
+        verdict = verify_tree_greedy(MEDUSA, node_tokens, logits)
+        path = verdict.accepted_path(0)
+        commit_tree_path(target, past, path)
+        context = torch.cat([context, node_tokens[:, path], verdict.next_tokens[:, None]], 1)
+        accepted.append(len(path))
+    return context[0, PROMPT.shape[1] : PROMPT.shape[1] + new_tokens].tolist(), accepted
+
+
+@pytest.mark.parametrize(
+    ("arch", "drafter"),
+    [
+        ("llama", "self"),
+        ("llama", "perturbed"),
+        ("llama", "bottom"),
+        ("qwen2", "perturbed"),
+        ("gpt2", "perturbed"),
+    ],
+)
+def test_greedy_tree_decoding_equals_generate(arch: str, drafter: str) -> None:
+    new_tokens = 48
+    model = tiny_model(arch, seed=0)
+    drafts = {
+        "self": lambda: chain_candidates(model),  # all-accepting
+        "perturbed": lambda: chain_candidates(perturbed_copy(model, scale=1.0, seed=1)),
+        "bottom": lambda: chain_candidates(model, sign=-1.0),  # never accepting
+    }
+    tokens, accepted = tree_generate_greedy(model, drafts[drafter](), new_tokens)
+    with torch.no_grad():
+        expected = model.generate(
+            PROMPT,
+            attention_mask=torch.ones_like(PROMPT),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+        )[0, PROMPT.shape[1] :].tolist()
+    assert tokens == expected
+    if drafter == "self":
+        assert set(accepted) == {MEDUSA.max_depth}, accepted
+    elif drafter == "bottom":
+        assert set(accepted) == {0}, accepted
+    else:
+        assert min(accepted) == 0 and max(accepted) >= 2, accepted
