@@ -24,16 +24,16 @@ class Completion:
 
 
 def build_drafter(
-    spec: str | None, target: LoadedModel, *, dtype: torch.dtype = torch.float32
+    spec: str | Drafter | None, target: LoadedModel, *, dtype: torch.dtype = torch.float32
 ) -> tuple[Drafter | None, int]:
     """Turn a draft spec string into a drafter; also return the vocabulary both share.
 
     This is the one place that dispatches on the spec: `ngram` or `ngram:N` (longest
-    n-gram N), otherwise a model spec as for the target.
+    n-gram N), otherwise a model spec as for the target. A Drafter object is used as is.
     """
     target_vocab = usable_vocab_size(target, target)
-    if spec is None:
-        return None, target_vocab
+    if spec is None or not isinstance(spec, str):
+        return spec, target_vocab
     if spec == "ngram" or spec.startswith("ngram:"):
         size = spec.partition(":")[2] or "3"
         if not size.isdigit() or int(size) < 1:
@@ -67,7 +67,7 @@ class SpecGenerator:
         self,
         target: str | LoadedModel = "default",
         *,
-        draft: str | None = None,
+        draft: str | Drafter | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         self.target = target if isinstance(target, LoadedModel) else load_model(target, dtype=dtype)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 import torch
 from transformers import (
     GPT2Config,
@@ -16,6 +19,9 @@ from transformers import (
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Tiny models gain nothing from threads, and on a shared 2-core machine a second thread
+# makes every small kernel wait on the other process; the default model runs as fast on one.
+torch.set_num_threads(1)
 
 TINY_VOCAB = 96
 
@@ -73,3 +79,24 @@ def perturbed_copy(model: PreTrainedModel, *, scale: float, seed: int) -> PreTra
                 torch.randn(param.shape, generator=generator) * scale * param.std().clamp_min(1e-3)
             )
     return copy
+
+
+@pytest.fixture(scope="session", autouse=True)
+def specmtp_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One model cache for the session, unless the environment names one. The default
+    model is converted into it here, up front, so no test times or captures that."""
+    from specmtp.models import load_model
+
+    with pytest.MonkeyPatch.context() as patch:
+        if not os.environ.get("SPECMTP_CACHE"):
+            patch.setenv("SPECMTP_CACHE", str(tmp_path_factory.getbasetemp() / "specmtp-cache"))
+        load_model("default")
+        yield Path(os.environ["SPECMTP_CACHE"])
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads() -> Iterator[None]:
+    """`--threads` changes the process; keep it from leaking into other tests."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from specmtp.bench import PromptRun, summarize_method
 from specmtp.cli import main
-from specmtp.models import load_model
 from specmtp.stats import GenerationStats
 
 QUESTIONS = [
@@ -20,32 +16,6 @@ QUESTIONS = [
     {"question_id": 2, "category": "math", "turns": ["What is 2 + 2? Explain briefly."]},
     {"question_id": 3, "category": "coding", "turns": ["Write a Python function add(a, b)."]},
 ]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def specmtp_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The same session cache as in test_cli.py (the default model is converted once),
-    unless the environment names one."""
-    with pytest.MonkeyPatch.context() as patch:
-        if not os.environ.get("SPECMTP_CACHE"):
-            patch.setenv("SPECMTP_CACHE", str(tmp_path_factory.getbasetemp() / "specmtp-cache"))
-        load_model("default")
-        yield Path(os.environ["SPECMTP_CACHE"])
-
-
-@pytest.fixture
-def questions(tmp_path: Path) -> Path:
-    path = tmp_path / "question.jsonl"
-    path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
-    return path
-
-
-@pytest.fixture(autouse=True)
-def restore_torch_threads() -> Iterator[None]:
-    """--threads changes the process; keep it from leaking into other tests."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def run_cli(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

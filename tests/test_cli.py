@@ -6,11 +6,9 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -22,26 +20,6 @@ REPO = Path(__file__).resolve().parents[1]
 PROMPT = "List the days of the week, then list them again."
 # One thread: on a shared 2-core machine two threads contend and run several times slower.
 FAST = ["--max-new-tokens", "12", "--threads", "1"]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def specmtp_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """One model cache for the session, unless the environment names one. The default
-    model is converted into it here, up front: its one-off conversion progress bar
-    (raw tqdm inside transformers) must not land in a test that checks stderr."""
-    with pytest.MonkeyPatch.context() as patch:
-        if not os.environ.get("SPECMTP_CACHE"):
-            patch.setenv("SPECMTP_CACHE", str(tmp_path_factory.getbasetemp() / "specmtp-cache"))
-        load_model("default")
-        yield Path(os.environ["SPECMTP_CACHE"])
-
-
-@pytest.fixture(autouse=True)
-def restore_torch_threads() -> Iterator[None]:
-    """--threads changes the process; keep it from leaking into other tests."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def run_cli(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
