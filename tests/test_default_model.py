@@ -8,7 +8,7 @@ from conftest import tiny_model
 
 from specmtp.api import SpecGenerator, eos_token_ids
 from specmtp.config import GenerationConfig
-from specmtp.drafters import DraftModelDrafter, Drafter, NgramDrafter
+from specmtp.drafters import Drafter, DraftModelDrafter, NgramDrafter
 from specmtp.models import LoadedModel, load_model
 
 PROMPTS = [
