@@ -300,25 +300,27 @@ def verify_tree_sampling(
     generator: torch.Generator | None,
     draft_probs: torch.Tensor | None = None,
 ) -> TreeVerdict:
-    """Temperature > 0: recursive rejection sampling down the tree (SpecInfer, Miao et al.
-    2024; with one-hot drafts, the sequential elimination of Medusa-style typical trees).
+    """Temperature > 0: recursive rejection sampling down the tree (SpecInfer's multi-step
+    speculative sampling, Miao et al. 2024; with one-hot drafts, sequential elimination of
+    deterministic top-k candidates).
 
     From the root, `multi_candidate_rejection` at the current node either accepts one child,
     which becomes the current node, or rejects all and the recovered token is drawn from the
     residual; at a leaf the bonus token is drawn from p after it.
 
-    Why it is lossless: at a node with prefix s, the token it emits is distributed as
+    Why it is lossless: at a node with prefix s, the token emitted there is distributed as
     p(. | s). One child x with q one-hot: P(x) = p(x); otherwise, with probability 1 - p(x),
     the rest runs on p with x removed and renormalised, which by induction over the
     remaining children yields y != x with probability p(y) / (1 - p(x)), so P(y) = p(y).
-    With x_c drawn from q_c, the same induction over the one-draft identity
-    min(p, q_c) + (1 - sum min(p, q_c)) * normalize(max(0, p - q_c)) = p
-    holds. An emitted token equal to child c continues at c, whose target row is p(. | s, x_c),
-    so the tokens of a round follow the target's chain rule, and so do all rounds.
-    Conditions: the tree's tokens are fixed before verification; q_c is the distribution child
-    c was drawn from, independently of its siblings. Candidates chosen any other way (top-k,
-    sampling without replacement) must be passed with draft_probs None: one-hot q is exact
-    for any fixed tokens, duplicates included (a rejected token has p = 0 afterwards).
+    With x_c drawn from q_c the same induction runs on the one-draft identity
+    min(p, q_c) + (1 - sum min(p, q_c)) * normalize(max(0, p - q_c)) = p.
+    An accepted child c becomes the node, and its target row is p(. | s, x_c); so a round's
+    tokens follow the target's chain rule, and so do all rounds.
+    Conditions: the tree's tokens are drafted from the context alone, before verification
+    draws anything; q_c is the distribution child c was drawn from, independently of its
+    siblings. Candidates chosen any other way (top-k, sampling without replacement) must be
+    passed with draft_probs None: one-hot q is exact for any fixed tokens, duplicates
+    included (a rejected token has p = 0 afterwards).
 
     node_tokens  [B, N]
     target_probs [B, N+1, V]: row i is the target's distribution after position i

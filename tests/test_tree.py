@@ -10,7 +10,7 @@ Three layers:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path as FilePath
 from types import SimpleNamespace
@@ -41,17 +41,6 @@ from specmtp.tree import (
 MEDUSA = TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Small tensors only: one thread is faster than several on shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 # --- layer 1: the tree as data --------------------------------------------------------------
 
 
@@ -62,14 +51,8 @@ def test_tree_derives_order_parents_depths_and_ancestors() -> None:
     assert MEDUSA.parents == (0, 0, 1, 1, 2, 3)  # positions: 0 is the root, node i is i + 1
     assert MEDUSA.depths == (1, 1, 2, 2, 2, 3)
     assert MEDUSA.children.tolist() == [
-        [0, 1],
-        [2, 3],
-        [4, -1],
-        [5, -1],
-        [-1, -1],
-        [-1, -1],
-        [-1, -1],
-    ]
+        [0, 1], [2, 3], [4, -1], [5, -1], [-1, -1], [-1, -1], [-1, -1]
+    ]  # fmt: skip
     assert MEDUSA.path_table.tolist() == [
         [0, -1, -1], [1, -1, -1], [0, 2, -1], [0, 3, -1], [1, 4, -1], [0, 2, 5]
     ]  # fmt: skip
@@ -199,22 +182,24 @@ SAMPLINGS = {
 
 
 def draft_tree(
-    q: torch.Tensor, last: torch.Tensor, *, sampled: bool, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The draft Markov chain q [V, V] grows BINARY under each row's last token [m]: the top-2
-    of q after the parent (one-hot drafts) or two independent draws from it (with q).
-    Returns node tokens [m, N] and the q each was drawn from [m, N, V] (or None)."""
+    q: torch.Tensor, last: torch.Tensor, *, draw: str, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft Markov chain q [V, V] grows BINARY under each row's last token [m]. The two
+    children of a node are q's top-2 after it ("top2"), two independent draws from it
+    ("iid"), or two draws without replacement ("distinct").
+    Returns node tokens [m, N] and the q each node's token came from [m, N, V]."""
     tokens: dict[Path, torch.Tensor] = {}
     for path in BINARY.paths:
         parent = last if len(path) == 1 else tokens[path[:-1]]
         row = q[parent]  # [m, V]
-        if sampled:
-            tokens[path] = torch.multinomial(row, 1, generator=generator)[:, 0]
-        else:
+        if draw == "top2":
             tokens[path] = row.topk(2).indices[:, path[-1]]
+        elif draw == "iid":
+            tokens[path] = torch.multinomial(row, 1, generator=generator)[:, 0]
+        elif path[-1] == 0:  # distinct: draw both siblings at once
+            pair = torch.multinomial(row, 2, replacement=False, generator=generator)
+            tokens[path], tokens[(*path[:-1], 1)] = pair[:, 0], pair[:, 1]
     node_tokens = build_tree_tokens(BINARY, tokens)  # [m, N]
-    if not sampled:
-        return node_tokens, None
     positions = torch.cat([last[:, None], node_tokens], 1)  # [m, N+1]
     return node_tokens, q[positions[:, list(BINARY.parents)]]
 
@@ -230,8 +215,11 @@ class TreeSimulation:
 SECOND_CHILDREN = [i for i, path in enumerate(BINARY.paths) if path[-1] == 1]
 
 
-def simulate_tree(p: torch.Tensor, q: torch.Tensor, *, sampled: bool, seed: int) -> TreeSimulation:
-    """Tree speculative generation of LENGTH tokens in ROWS independent rows at once."""
+def simulate_tree(
+    p: torch.Tensor, q: torch.Tensor, *, draw: str, pass_q: bool, seed: int
+) -> TreeSimulation:
+    """Tree speculative generation of LENGTH tokens in ROWS independent rows at once; the
+    verifier gets the draft distributions when pass_q, else treats the drafts as one-hot."""
     generator = torch.Generator().manual_seed(seed)
     depth = BINARY.max_depth
     out = torch.zeros(ROWS, LENGTH, dtype=torch.long)
@@ -240,10 +228,10 @@ def simulate_tree(p: torch.Tensor, q: torch.Tensor, *, sampled: bool, seed: int)
     rounds = second = leaf = rejected = 0
     while bool((count < LENGTH).any()):
         live = (count < LENGTH).nonzero().squeeze(1)  # [m]
-        node_tokens, draft_probs = draft_tree(q, last[live], sampled=sampled, generator=generator)
+        node_tokens, draft_probs = draft_tree(q, last[live], draw=draw, generator=generator)
         positions = torch.cat([last[live, None], node_tokens], 1)  # [m, N+1]
         verdict = tree.verify_tree_sampling(
-            BINARY, node_tokens, p[positions], generator, draft_probs
+            BINARY, node_tokens, p[positions], generator, draft_probs if pass_q else None
         )
         rounds += len(live)
         second += int(torch.isin(verdict.path_nodes, torch.tensor(SECOND_CHILDREN)).any(-1).sum())
@@ -264,11 +252,20 @@ def simulate_tree(p: torch.Tensor, q: torch.Tensor, *, sampled: bool, seed: int)
     return TreeSimulation(counts, second / rounds, leaf / rounds, rejected / rounds)
 
 
-@pytest.mark.parametrize("drafts", ["one_hot", "sampled"])
+# (how siblings are drawn, whether the verifier gets q)
+LOSSLESS_DRAFTS = {
+    "top2": ("top2", False),  # deterministic candidates, Medusa-style
+    "iid-with-q": ("iid", True),  # SpecInfer's independent draws with their q
+    "iid-one-hot": ("iid", False),  # one-hot q is exact for any tokens fixed in advance
+}
+
+
+@pytest.mark.parametrize("drafts", list(LOSSLESS_DRAFTS))
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 def test_tree_sampling_emits_the_target_joint(sampling: str, drafts: str) -> None:
     p, q = markov_chains(SAMPLINGS[sampling])
-    sim = simulate_tree(p, q, sampled=drafts == "sampled", seed=1)
+    draw, pass_q = LOSSLESS_DRAFTS[drafts]
+    sim = simulate_tree(p, q, draw=draw, pass_q=pass_q, seed=1)
     # Every way a round can end shapes the window, the second child's residual included.
     assert sim.second_child_rounds > 0.05, sim
     assert sim.leaf_rounds > 0.05, sim
@@ -322,17 +319,29 @@ def rejection_fallback_from_p(
     return choice, p
 
 
-@pytest.mark.parametrize("drafts", ["one_hot", "sampled"])
+@pytest.mark.parametrize("drafts", ["top2", "iid-with-q"])
 @pytest.mark.parametrize("rule", [rejection_against_original_p, rejection_fallback_from_p])
 def test_wrong_tree_rules_fail_the_same_check(
     rule: MultiCandidate, drafts: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(tree, "multi_candidate_rejection", rule)
     p, q = markov_chains(SAMPLINGS["t1.0"])
-    sim = simulate_tree(p, q, sampled=drafts == "sampled", seed=1)
+    draw, pass_q = LOSSLESS_DRAFTS[drafts]
+    result = fit(simulate_tree(p, q, draw=draw, pass_q=pass_q, seed=1).counts, markov_joint(p, 3))
+    assert result.p_value < P_FAIL, result
+    assert result.tv > result.tv_bound, result
+
+
+def test_q_of_siblings_drawn_without_replacement_fails_the_same_check() -> None:
+    """The rule with q assumes independent siblings: the second of two distinct draws came
+    from q with the first removed, not from q. Passing q anyway is lossy (pass None)."""
+    p, q = markov_chains(SAMPLINGS["t1.0"])
+    sim = simulate_tree(p, q, draw="distinct", pass_q=True, seed=1)
     result = fit(sim.counts, markov_joint(p, LENGTH))
     assert result.p_value < P_FAIL, result
     assert result.tv > result.tv_bound, result
+    one_hot = simulate_tree(p, q, draw="distinct", pass_q=False, seed=1)
+    assert fit(one_hot.counts, markov_joint(p, LENGTH)).passes
 
 
 # --- layer 3: tiny random models -------------------------------------------------------------
