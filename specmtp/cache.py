@@ -45,13 +45,26 @@ class CachedModel:
         self.length = 0
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
-        """Append tokens [B, n]; return logits [B, n, V] (or [B, 1, V] with last_only)."""
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        last_only: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append tokens [B, n]; return logits [B, n, V] (or [B, 1, V] with last_only).
+
+        Without a mask the tokens form a chain at positions length..length+n-1; a tree
+        passes its own 4-D mask [B, 1, n, length+n] and position ids [B, n].
+        """
         n = tokens.shape[1]
-        positions = torch.arange(self.length, self.length + n, device=tokens.device)[None]  # [1, n]
+        if position_ids is None:
+            position_ids = torch.arange(self.length, self.length + n, device=tokens.device)[None]
         out = self.model(
             input_ids=tokens,
-            position_ids=positions,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
             cache=self.cache,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
@@ -66,6 +79,21 @@ class CachedModel:
         if length < self.length:
             self.cache.crop(length - self.length)  # transformers 5: a negative count removes
             self.length = length
+
+    @torch.inference_mode()
+    def keep(self, start: int, kept: torch.Tensor) -> None:
+        """Keep positions 0..start-1, then the positions `kept` [m] (ascending, >= start),
+        moved down to start..start+m-1: how a tree round keeps its accepted path."""
+        if len(kept) and (kept[0] < start or kept[-1] >= self.length or (kept.diff() <= 0).any()):
+            raise ValueError(f"cannot keep positions {kept.tolist()} of {self.length} from {start}")
+        end = start + len(kept)
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                for name in ("keys", "values"):
+                    states = getattr(layer, name)  # [B, H, S, d]
+                    states[..., start:end, :] = states.index_select(-2, kept.to(states.device))
+                    setattr(layer, name, states[..., :end, :])
+        self.length = end
 
     def kv_bytes(self) -> int:
         """Bytes held by the cached keys and values."""

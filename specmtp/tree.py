@@ -27,11 +27,12 @@ from itertools import pairwise
 from pathlib import Path as FilePath
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from specmtp.cache import CachedModel
 from specmtp.errors import SpecMTPError
 from specmtp.sampling import sample
+from specmtp.verification import residual
 
 Path = tuple[int, ...]  # child ranks from the root: (0, 1) = 2nd candidate under the 1st
 Candidates = Sequence[torch.Tensor] | Mapping[Path, torch.Tensor]
@@ -200,15 +201,8 @@ def tree_forward(
     mask, positions = tree_attention_inputs(
         tree, target.length, dtype=target.model.dtype, device=root.device
     )
-    out = target.model(
-        input_ids=torch.cat([root, node_tokens], 1),
-        attention_mask=mask,
-        position_ids=positions,
-        cache=target.cache,
-        use_cache=True,
-    )
-    target.length += tree.num_nodes + 1
-    return out.logits[..., : target.vocab_size]
+    tokens = torch.cat([root, node_tokens], 1)  # [B, N+1]
+    return target.forward(tokens, attention_mask=mask, position_ids=positions)
 
 
 @dataclass(frozen=True)
@@ -247,14 +241,6 @@ def verify_tree_greedy(
     return TreeVerdict(path_nodes, num_accepted, next_tokens)
 
 
-def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """normalize(max(0, p - q)) per row [B, V]; p itself where that has no mass (p == q, a
-    rejection of probability 0 that only float round-off reaches)."""
-    residual = (p - q).clamp_min(0)
-    mass = residual.sum(-1, keepdim=True)  # [B, 1]
-    return torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
-
-
 def multi_candidate_rejection(
     p: torch.Tensor,
     tokens: torch.Tensor,
@@ -289,7 +275,7 @@ def multi_candidate_rejection(
         trying = valid[:, c] & (choice < 0)
         accept = trying & (r * q_x < p_x)  # r < p/q without the division
         choice = torch.where(accept, c, choice)
-        p = torch.where((trying & ~accept)[:, None], _residual(p, q), p)
+        p = torch.where((trying & ~accept)[:, None], residual(p, q), p)
     return choice, p
 
 
@@ -340,28 +326,16 @@ def verify_tree_sampling(
         q = None
         if draft_probs is not None:
             q = draft_probs.gather(1, slots[..., None].expand(-1, -1, vocab))  # [B, C, V]
-        choice, residual = multi_candidate_rejection(
+        choice, leftover = multi_candidate_rejection(
             p, node_tokens.gather(1, slots), q, (kids >= 0) & live[:, None], generator
         )
         live = choice >= 0
         node = slots.gather(1, choice.clamp_min(0)[:, None]).squeeze(1)  # [B]
         path_nodes[:, depth] = torch.where(live, node, -1)
         position = torch.where(live, node + 1, position)
-        p = torch.where(live[:, None], target_probs[rows, position], residual)
+        p = torch.where(live[:, None], target_probs[rows, position], leftover)
     next_tokens = sample(p, generator)  # [B]
     return TreeVerdict(path_nodes, (path_nodes >= 0).sum(-1), next_tokens)
-
-
-@torch.inference_mode()
-def keep_cache_positions(cache: DynamicCache, start: int, kept: torch.Tensor) -> None:
-    """Keep positions 0..start-1 and then `kept` [m] (ascending, >= start) of every layer."""
-    for layer in cache.layers:
-        if layer.is_initialized:
-            end = start + len(kept)
-            for name in ("keys", "values"):
-                states = getattr(layer, name)  # [B, H, S, d]
-                states[..., start:end, :] = states.index_select(-2, kept.to(states.device))
-                setattr(layer, name, states[..., :end, :])
 
 
 def commit_tree_path(target: CachedModel, past_length: int, path_nodes: Sequence[int]) -> None:
@@ -376,5 +350,4 @@ def commit_tree_path(target: CachedModel, past_length: int, path_nodes: Sequence
             f"path {list(path_nodes)} is not a tree path in the {target.length - past_length} "
             "positions of the last tree forward"
         )
-    keep_cache_positions(target.cache, past_length, torch.tensor(kept))
-    target.length = past_length + len(kept)
+    target.keep(past_length, torch.tensor(kept))

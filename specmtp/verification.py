@@ -27,6 +27,17 @@ class Verdict:
     next_tokens: torch.Tensor  # [B] int64: the recovered token, or the bonus token if all passed
 
 
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, p - q)) over the last dim; p itself where that has no mass.
+
+    No mass means p == q there, where rejection has probability 0: only float round-off
+    gets here, and p is then the residual's limit.
+    """
+    excess = (p - q).clamp_min(0)
+    mass = excess.sum(-1, keepdim=True)
+    return torch.where(mass > 0, excess / mass.clamp_min(1e-30), p)
+
+
 def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
     """Length of the all-True prefix of each row of accept [B, k] -> [B]."""
     return accept.long().cumprod(-1).sum(-1)
@@ -79,10 +90,6 @@ def verify_rejection_sampling(
     q_padded = torch.nn.functional.pad(draft_probs, (0, 0, 0, 1))  # [B, k+1, V]
     rows = num_accepted[:, None, None].expand(batch, 1, vocab)  # [B, 1, V]
     p_row = target_probs.gather(1, rows).squeeze(1)  # [B, V]
-    residual = (p_row - q_padded.gather(1, rows).squeeze(1)).clamp_min(0)  # [B, V]
-    mass = residual.sum(-1, keepdim=True)  # [B, 1]
-    # Mass 0 means p == q at that row, where rejection has probability 0; only float
-    # round-off gets here, and p is then the residual's limit.
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_row)
-    next_tokens = sample(residual, generator)  # [B]
+    q_row = q_padded.gather(1, rows).squeeze(1)  # [B, V]
+    next_tokens = sample(residual(p_row, q_row), generator)  # [B]
     return Verdict(num_accepted, next_tokens)

