@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup
 	$(VENV)/bin/specmtp generate --chat --draft ngram --max-new-tokens 96 \
-		"Repeat this sentence three times: speculative decoding keeps the output exact."
+		"Write a Python function that checks whether a number is prime, then show how to call it."
 
 test: setup
 	$(PY) -m pytest -q
