@@ -19,10 +19,21 @@ class CachedModel:
     they are refused rather than rolled back approximately.
     """
 
-    def __init__(self, model: PreTrainedModel, *, vocab_size: int, name: str = "model") -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        vocab_size: int,
+        name: str = "model",
+        keep_hidden: bool = False,
+    ) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.name = name
+        # With keep_hidden, `last_hidden` [B, n, H] holds the final hidden states (the LM
+        # head's input) of the tokens of the latest forward: MTP heads draft from them.
+        self.keep_hidden = keep_hidden
+        self.last_hidden: torch.Tensor | None = None
         self.cache = self._new_cache()
         self.length = 0
 
@@ -68,7 +79,10 @@ class CachedModel:
             cache=self.cache,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
+            output_hidden_states=self.keep_hidden,
         )
+        if self.keep_hidden:
+            self.last_hidden = out.hidden_states[-1]  # after the final norm, in transformers 5
         self.length += n
         return out.logits[..., : self.vocab_size]
 

@@ -16,10 +16,17 @@ from transformers import PreTrainedModel
 
 from specmtp.cache import CachedModel
 from specmtp.config import GenerationConfig
-from specmtp.drafters import Drafter, Proposal, empty_proposal
+from specmtp.drafters import Drafter, Outcome, Proposal, empty_proposal
 from specmtp.errors import SpecMTPError
 from specmtp.sampling import logits_to_probs
 from specmtp.stats import GenerationStats
+from specmtp.tree import (
+    TreeVerdict,
+    commit_tree_path,
+    tree_forward,
+    verify_tree_greedy,
+    verify_tree_sampling,
+)
 from specmtp.verification import Verdict, verify_greedy, verify_rejection_sampling
 
 # Decodes token ids to text; needed only for stop strings.
@@ -48,7 +55,12 @@ class SpecDecoder:
         eos_token_ids: Sequence[int] = (),
         detokenize: Detokenize | None = None,
     ) -> None:
-        self.target = CachedModel(target, vocab_size=vocab_size, name="target")
+        self.target = CachedModel(
+            target,
+            vocab_size=vocab_size,
+            name="target",
+            keep_hidden=drafter is not None and drafter.needs_target_hidden,
+        )
         self.drafter = drafter
         self.context_length = context_length
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -80,9 +92,11 @@ class SpecDecoder:
             k = self._draft_budget(context.shape[1], len(generated), config)
             proposal = self._draft(context, k, config, generator, stats)
             verdict = self._verify(context, proposal, config, generator, stats)
-            context, new = self._commit(context, proposal, verdict, stats)
+            outcome = self._commit(context, proposal, verdict, stats)
             if self.drafter is not None:
-                self.drafter.observe(context, int(verdict.num_accepted[0]))
+                self.drafter.observe(outcome)
+            new = outcome.context[0, context.shape[1] :].tolist()
+            context = outcome.context
             block = self._apply_stops(new, generated, config, stats)
             generated += block
             if not stats.finish_reason and context.shape[1] > self.context_length:
@@ -132,37 +146,64 @@ class SpecDecoder:
         config: GenerationConfig,
         generator: torch.Generator,
         stats: GenerationStats,
-    ) -> Verdict:
+    ) -> Verdict | TreeVerdict:
         """One target forward over [last committed, *drafts], then the acceptance rule."""
         start = time.perf_counter()
-        logits = self.target.forward(
-            torch.cat([context[:, -1:], proposal.tokens], 1)
-        )  # [1, k+1, V]
-        if config.sampling.greedy:
-            verdict = verify_greedy(proposal.tokens, logits)
+        root = context[:, -1:]  # [1, 1]
+        if proposal.tree is None:
+            logits = self.target.forward(torch.cat([root, proposal.tokens], 1))  # [1, k+1, V]
         else:
-            target_probs = logits_to_probs(logits, config.sampling)  # [1, k+1, V]
-            verdict = verify_rejection_sampling(
-                proposal.tokens, proposal.probs, target_probs, generator
-            )
+            logits = tree_forward(self.target, proposal.tree, root, proposal.tokens)  # [1, N+1, V]
+        verdict = self._accept(proposal, logits, config, generator)
         stats.verify_s += time.perf_counter() - start
         return verdict
+
+    @staticmethod
+    def _accept(
+        proposal: Proposal,
+        logits: torch.Tensor,
+        config: GenerationConfig,
+        generator: torch.Generator,
+    ) -> Verdict | TreeVerdict:
+        tokens, tree = proposal.tokens, proposal.tree
+        if config.sampling.greedy:
+            if tree is None:
+                return verify_greedy(tokens, logits)
+            return verify_tree_greedy(tree, tokens, logits)
+        target_probs = logits_to_probs(logits, config.sampling)  # [1, k+1 or N+1, V]
+        if tree is None:
+            return verify_rejection_sampling(tokens, proposal.probs, target_probs, generator)
+        return verify_tree_sampling(tree, tokens, target_probs, generator)
 
     def _commit(
         self,
         context: torch.Tensor,
         proposal: Proposal,
-        verdict: Verdict,
+        verdict: Verdict | TreeVerdict,
         stats: GenerationStats,
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Keep the accepted drafts and the next token; roll the target cache back to match."""
-        n_acc = int(verdict.num_accepted[0])
-        new = torch.cat(
-            [proposal.tokens[:, :n_acc], verdict.next_tokens[:, None]], 1
-        )  # [1, n_acc+1]
-        self.target.crop(context.shape[1] + n_acc)  # the new last token stays pending
-        stats.record_round(proposal.length, n_acc)
-        return torch.cat([context, new], 1), new[0].tolist()
+    ) -> Outcome:
+        """Keep the accepted drafts and the next token; roll the target cache back to match.
+
+        The target's cache keeps the previous last token and the accepted drafts; the new
+        next token stays pending for the next round.
+        """
+        past = context.shape[1] - 1  # the previous last token sits at this position
+        if proposal.tree is None:
+            kept = list(range(int(verdict.num_accepted[0]) + 1))  # rows of the verify pass
+            self.target.crop(past + len(kept))
+            accepted = proposal.tokens[:, : len(kept) - 1]
+        else:
+            path = verdict.accepted_path(0)
+            kept = [0] + [node + 1 for node in path]
+            commit_tree_path(self.target, past, path)
+            accepted = proposal.tokens[:, path]
+        hidden = self.target.last_hidden
+        stats.record_round(proposal.depth, len(kept) - 1, proposal.tokens.shape[1] + 1)
+        return Outcome(
+            context=torch.cat([context, accepted, verdict.next_tokens[:, None]], 1),
+            num_accepted=len(kept) - 1,
+            target_hidden=None if hidden is None else hidden[:, kept],
+        )
 
     def _apply_stops(
         self, new: list[int], generated: list[int], config: GenerationConfig, stats: GenerationStats

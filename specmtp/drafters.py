@@ -16,16 +16,37 @@ from transformers import PreTrainedModel
 from specmtp.cache import CachedModel
 from specmtp.config import SamplingConfig
 from specmtp.sampling import choose, logits_to_probs
+from specmtp.tree import TokenTree
 
 
 @dataclass(frozen=True)
 class Proposal:
-    tokens: torch.Tensor  # [B, k'] with k' <= k; k' may be 0
+    """A chain of k' <= k draft tokens, or a token tree of depth <= k.
+
+    For a tree, `tokens` holds one token per node in the tree's node order, and `probs` is
+    None: tree candidates are verified as fixed choices (see tree.verify_tree_sampling).
+    """
+
+    tokens: torch.Tensor  # [B, k'] chain, or [B, N] tree nodes; k' may be 0
     probs: torch.Tensor | None  # [B, k', V] the draft distributions q, or None (one-hot drafts)
+    tree: TokenTree | None = None
 
     @property
-    def length(self) -> int:
-        return self.tokens.shape[1]
+    def depth(self) -> int:
+        """Draft positions proposed: the chain's length, or the tree's depth."""
+        return self.tree.max_depth if self.tree is not None else self.tokens.shape[1]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a round committed, for the drafter to catch up with."""
+
+    context: torch.Tensor  # [B, n'] every committed token; the last one is not yet verified
+    num_accepted: int
+    # [B, num_accepted+1, H]: the target's final hidden states at the verified positions
+    # kept this round (the previous last token, then the accepted drafts); None unless the
+    # drafter sets needs_target_hidden.
+    target_hidden: torch.Tensor | None
 
 
 def empty_proposal(batch: int, device: torch.device) -> Proposal:
@@ -34,6 +55,7 @@ def empty_proposal(batch: int, device: torch.device) -> Proposal:
 
 class Drafter(Protocol):
     name: str
+    needs_target_hidden: bool  # MTP heads draft from the target's hidden states
 
     def reset(self) -> None:
         """Forget everything: a new sequence starts."""
@@ -46,8 +68,8 @@ class Drafter(Protocol):
         generator: torch.Generator | None,
     ) -> Proposal: ...
 
-    def observe(self, context: torch.Tensor, num_accepted: int) -> None:
-        """The target committed `context` [B, n'], keeping num_accepted of the drafts."""
+    def observe(self, outcome: Outcome) -> None:
+        """The target verified the proposal and committed `outcome.context`."""
 
 
 class NgramDrafter:
@@ -60,6 +82,7 @@ class NgramDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.name = "ngram"
+        self.needs_target_hidden = False
 
     def reset(self) -> None:
         pass  # stateless: everything it needs is in the context
@@ -81,7 +104,7 @@ class NgramDrafter:
                     return Proposal(follow[None].clone(), None)
         return empty_proposal(context.shape[0], context.device)
 
-    def observe(self, context: torch.Tensor, num_accepted: int) -> None:
+    def observe(self, outcome: Outcome) -> None:
         pass
 
 
@@ -93,6 +116,7 @@ class DraftModelDrafter:
     def __init__(self, model: PreTrainedModel, *, vocab_size: int, name: str = "draft") -> None:
         self.runner = CachedModel(model, vocab_size=vocab_size, name=name)
         self.name = name
+        self.needs_target_hidden = False
         self.fed = torch.empty(1, 0, dtype=torch.long)  # [1, runner.length]
 
     def reset(self) -> None:
@@ -129,5 +153,5 @@ class DraftModelDrafter:
         draft_probs = None if sampling.greedy else torch.stack(probs, 1)  # [B, k, V]
         return Proposal(torch.stack(tokens, 1), draft_probs)
 
-    def observe(self, context: torch.Tensor, num_accepted: int) -> None:
-        self._rollback_to_prefix_of(context)
+    def observe(self, outcome: Outcome) -> None:
+        self._rollback_to_prefix_of(outcome.context)

@@ -20,6 +20,7 @@ class GenerationStats:
     new_tokens: int = 0
     rounds: int = 0  # target verify passes
     drafted_tokens: int = 0
+    verified_tokens: int = 0  # tokens fed to the target in verify passes (tree nodes included)
     accepted_tokens: int = 0
     accept_histogram: list[int] = field(default_factory=list)  # [gamma+1] rounds by accepted
     position_proposed: list[int] = field(default_factory=list)  # [gamma] rounds drafting pos i
@@ -35,9 +36,18 @@ class GenerationStats:
         self.position_proposed = [0] * self.gamma
         self.position_accepted = [0] * self.gamma
 
-    def record_round(self, drafted: int, accepted: int) -> None:
+    def record_round(self, drafted: int, accepted: int, verified: int) -> None:
+        """One verify pass over `verified` tokens that checked `drafted` draft positions (a
+        tree's depth) and kept `accepted` of them."""
+        if drafted > self.gamma:  # a tree deeper than gamma
+            grow = drafted - self.gamma
+            self.gamma = drafted
+            self.accept_histogram += [0] * grow
+            self.position_proposed += [0] * grow
+            self.position_accepted += [0] * grow
         self.rounds += 1
         self.drafted_tokens += drafted
+        self.verified_tokens += verified
         self.accepted_tokens += accepted
         self.accept_histogram[accepted] += 1
         for i in range(drafted):
@@ -72,6 +82,7 @@ class GenerationStats:
             "verify_rounds": self.rounds,
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "verified_tokens": self.verified_tokens,
             "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
             "accept_histogram": self.accept_histogram,
             "acceptance_per_position": [

@@ -160,7 +160,7 @@ def test_ngram_proposes_what_followed_the_latest_match() -> None:
     assert drafter.propose(context, 3, greedy, None).tokens.tolist() == [[7, 8, 2]]
     # Proposals stop where the context ends.
     assert drafter.propose(torch.tensor([[4, 5, 4]]), 3, greedy, None).tokens.tolist() == [[5, 4]]
-    assert drafter.propose(torch.tensor([[1, 2, 3]]), 3, greedy, None).length == 0
+    assert drafter.propose(torch.tensor([[1, 2, 3]]), 3, greedy, None).depth == 0
 
 
 def test_sampling_config_validation() -> None:
