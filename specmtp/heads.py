@@ -1,0 +1,408 @@
+"""Multi-token-prediction heads: small modules on the target's last hidden state that draft
+the tokens after the next one.
+
+Vocabulary. At position t the target reads token x_t and produces h_t, its last hidden
+state; its own LM head turns h_t into the distribution of x_{t+1}. A head or depth i
+(0-based) predicts x_{t+2+i}.
+
+- `ParallelHeads` (Medusa, Gloeckle et al. 2024): K independent heads, each residual
+  blocks on h_t and an output projection. All K drafts come from one h_t.
+- `SequentialMTP` (DeepSeek-V3): depth i combines the previous depth's hidden state with
+  the embedding of the token it conditions on, runs one transformer block, and predicts
+  through the LM head. The depths form a causal chain.
+
+Hidden states. In transformers 5.24, `model(ids, output_hidden_states=True)
+.hidden_states[-1]` is taken AFTER the final norm for Llama-style models: the LM head
+applied to it gives exactly `logits` (checked in tests/test_heads.py). So heads consume
+it as is, and a fresh share_lm_head `ParallelHeads` reproduces the target's logits.
+
+The target's LM head and input embedding are shared as frozen, non-persistent buffers:
+never trained, never saved, rebound from the target at load. With `draft_vocab` the
+output projection covers only those token ids; `to_full_logits` scatters such logits
+into the full vocabulary with -inf elsewhere, so q stays a distribution over all ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel
+
+from specmtp.errors import SpecMTPError
+
+HEADS_WEIGHTS = "heads.safetensors"
+HEADS_CONFIG = "heads.json"
+_KINDS = ("parallel", "sequential")
+_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class HeadsConfig:
+    """What a set of heads is and which target it was trained for.
+
+    `num_layers` is the number of residual blocks per parallel head (a sequential depth is
+    always one transformer block). `attention_heads` splits the sequential block's
+    attention and must divide hidden_size; parallel heads ignore it.
+    """
+
+    kind: str
+    num_heads: int
+    hidden_size: int
+    vocab_size: int
+    base_model: str
+    num_layers: int = 1
+    draft_vocab: tuple[int, ...] | None = None
+    share_lm_head: bool = True
+    attention_heads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise SpecMTPError(f"heads kind must be one of {_KINDS}, got {self.kind!r}")
+        for name in ("num_heads", "hidden_size", "vocab_size", "num_layers", "attention_heads"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise SpecMTPError(f"heads {name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.base_model, str) or not isinstance(self.share_lm_head, bool):
+            raise SpecMTPError("heads base_model must be a string and share_lm_head a bool")
+        if self.kind == "sequential" and self.hidden_size % self.attention_heads:
+            raise SpecMTPError(
+                f"heads attention_heads ({self.attention_heads}) must divide "
+                f"hidden_size ({self.hidden_size})"
+            )
+        if self.draft_vocab is not None:
+            ids = tuple(self.draft_vocab)
+            if not ids or not all(isinstance(i, int) and 0 <= i < self.vocab_size for i in ids):
+                raise SpecMTPError(
+                    f"draft_vocab must be a non-empty list of token ids in [0, {self.vocab_size})"
+                )
+            if len(set(ids)) != len(ids):
+                raise SpecMTPError("draft_vocab lists a token id more than once")
+            object.__setattr__(self, "draft_vocab", ids)  # a list given in: store hashable
+
+    @property
+    def output_size(self) -> int:
+        """V': the width of the logits the heads produce."""
+        return self.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
+
+    def to_json(self) -> str:
+        fields = dataclasses.asdict(self)
+        if self.draft_vocab is not None:
+            fields["draft_vocab"] = list(self.draft_vocab)
+        return json.dumps(fields, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> HeadsConfig:
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpecMTPError(f"heads config is not valid JSON: {exc}") from exc
+        if not isinstance(fields, dict):
+            raise SpecMTPError("heads config must be a JSON object")
+        known = {field.name for field in dataclasses.fields(cls)}
+        if unknown := sorted(set(fields) - known):
+            raise SpecMTPError(f"heads config has unknown fields {unknown}")
+        try:
+            return cls(**fields)
+        except TypeError as exc:  # a required field is missing
+            raise SpecMTPError(f"heads config is incomplete: {exc}") from exc
+
+
+def describe_target(model: PreTrainedModel) -> str:
+    """The `base_model` string heads record: architecture, depth, hidden and vocab size.
+
+    It is built from the config only, so it survives dtype changes and cache paths, but it
+    cannot tell apart two checkpoints of the same architecture and size.
+    """
+    config = model.config.get_text_config()
+    return (
+        f"{type(model).__name__} layers={config.num_hidden_layers} "
+        f"hidden={config.hidden_size} vocab={_lm_head_weight(model).shape[0]}"
+    )
+
+
+class _Projection(nn.Module):
+    """Hidden [.., H] -> logits [.., V'] over the full or the draft vocabulary."""
+
+    def __init__(self, config: HeadsConfig, lm_head_weight: torch.Tensor) -> None:
+        super().__init__()
+        weight = lm_head_weight.detach()  # [V, H]
+        ids = None if config.draft_vocab is None else torch.tensor(config.draft_vocab)
+        if ids is not None:
+            weight = weight[ids.to(weight.device)]  # [V', H]
+        self.register_buffer("draft_ids", ids, persistent=False)
+        self.vocab_size = config.vocab_size
+        if config.share_lm_head:
+            self.register_buffer("weight", weight, persistent=False)  # frozen, not saved
+        else:
+            self.weight = nn.Parameter(weight.clone())  # own copy, trained and saved
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+
+class _HeadsBase(nn.Module):
+    """What both kinds share: the config and the map back to full-vocabulary ids."""
+
+    def __init__(self, config: HeadsConfig, lm_head_weight: torch.Tensor) -> None:
+        super().__init__()
+        if tuple(lm_head_weight.shape) != (config.vocab_size, config.hidden_size):
+            raise SpecMTPError(
+                f"LM head weight {tuple(lm_head_weight.shape)} does not match the heads' "
+                f"vocab_size x hidden_size ({config.vocab_size}, {config.hidden_size})"
+            )
+        self.config = config
+        self.projection = _Projection(config, lm_head_weight)
+
+    def to_full_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids in the heads' vocabulary (any shape) -> ids in the target's."""
+        draft_ids = self.projection.draft_ids
+        return ids if draft_ids is None else draft_ids[ids]
+
+    def to_full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V'] -> [..., V], -inf outside draft_vocab (softmax stays a
+        distribution over the full vocabulary, zero off the draft vocabulary)."""
+        draft_ids = self.projection.draft_ids
+        if draft_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., draft_ids] = logits
+        return full
+
+
+class _ResidualBlock(nn.Module):
+    """h + SiLU(W h + b), with W and b zero so that it starts as the identity (Medusa
+    zeroes W only; zeroing b too makes the start exact, and SiLU'(0) = 1/2 keeps the
+    gradient with respect to W nonzero)."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + F.silu(self.linear(hidden))
+
+
+class ParallelHeads(_HeadsBase):
+    """K independent heads on h_t; head i predicts x_{t+2+i}."""
+
+    def __init__(self, config: HeadsConfig, *, lm_head_weight: torch.Tensor) -> None:
+        if config.kind != "parallel":
+            raise SpecMTPError(f"ParallelHeads needs kind 'parallel', got {config.kind!r}")
+        super().__init__(config, lm_head_weight)
+        self.heads = nn.ModuleList(
+            nn.Sequential(*(_ResidualBlock(config.hidden_size) for _ in range(config.num_layers)))
+            for _ in range(config.num_heads)
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, n, H] -> logits [B, K, n, V']."""
+        return torch.stack([self.projection(head(hidden)) for head in self.heads], dim=1)
+
+
+class _Block(nn.Module):
+    """Pre-norm causal self-attention and a SwiGLU MLP (intermediate size 2H).
+
+    No positional encoding (NoPE): the causal mask already orders positions, and h_t
+    carries the target's own position information; it keeps the block dependency-free.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.attn_norm = nn.RMSNorm(hidden_size, eps=_NORM_EPS)
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
+        self.out = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.mlp_norm = nn.RMSNorm(hidden_size, eps=_NORM_EPS)
+        self.gate_up = nn.Linear(hidden_size, 4 * hidden_size, bias=False)
+        self.down = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, h = x.shape  # [B, n, H]
+        qkv = self.qkv(self.attn_norm(x)).view(b, n, 3, self.num_heads, h // self.num_heads)
+        q, k, v = qkv.transpose(1, 3).unbind(2)  # each [B, heads, n, d]
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, heads, n, d]
+        x = x + self.out(attended.transpose(1, 2).reshape(b, n, h))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)  # each [B, n, 2H]
+        return x + self.down(F.silu(gate) * up)
+
+
+class _Depth(nn.Module):
+    """One DeepSeek-V3 MTP module: norm both inputs, concat, 2H -> H, one block, norm."""
+
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        self.hidden_norm = nn.RMSNorm(hidden_size, eps=_NORM_EPS)
+        self.embed_norm = nn.RMSNorm(hidden_size, eps=_NORM_EPS)
+        self.combine = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.block = _Block(hidden_size, num_heads)
+        self.final_norm = nn.RMSNorm(hidden_size, eps=_NORM_EPS)
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """hidden, embedded [B, n, H] -> (this depth's hidden state, normed output) [B, n, H]."""
+        joined = torch.cat([self.hidden_norm(hidden), self.embed_norm(embedded)], dim=-1)
+        out = self.block(self.combine(joined))
+        return out, self.final_norm(out)
+
+
+class SequentialMTP(_HeadsBase):
+    """DeepSeek-V3 multi-token prediction: K chained depths, depth i predicts x_{t+2+i}.
+
+    Depth i at position t reads h^{i-1}_t (h^{-1} = the target's h_t) and the embedding
+    of x_{t+1+i}. The embedding is the target's, RMS-normed before use, so a constant
+    embedding scale (as in Gemma) does not matter and the plain weight suffices.
+    """
+
+    def __init__(
+        self, config: HeadsConfig, *, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor
+    ) -> None:
+        if config.kind != "sequential":
+            raise SpecMTPError(f"SequentialMTP needs kind 'sequential', got {config.kind!r}")
+        if embed_weight.shape[1] != config.hidden_size:
+            raise SpecMTPError(
+                f"embedding width {embed_weight.shape[1]} != hidden_size {config.hidden_size}"
+            )
+        super().__init__(config, lm_head_weight)
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.depths = nn.ModuleList(
+            _Depth(config.hidden_size, config.attention_heads) for _ in range(config.num_heads)
+        )
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.embed_weight)  # [B, n] -> [B, n, H]
+
+    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Depth 0 only: hidden [B, n, H], next_tokens [B, n] (x_{t+1}) -> logits [B, n, V']."""
+        _, normed = self.depths[0](hidden, self._embed(next_tokens))
+        return self.projection(normed)
+
+    def forward_all(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """All depths with teacher forcing, for training.
+
+        hidden [B, n, H] is the target's output over tokens [B, n] (the same input ids).
+        Returns logits_i [B, n-1-i, V'] for each depth i < min(K, n-1); row t predicts
+        x_{t+2+i}, so rows with t + 2 + i < n have a target inside the sequence.
+        """
+        n, logits, state = tokens.shape[1], [], hidden
+        for i, depth in enumerate(self.depths[: max(0, n - 1)]):
+            state, normed = depth(state[:, : n - 1 - i], self._embed(tokens[:, 1 + i :]))
+            logits.append(self.projection(normed))  # [B, n-1-i, V']
+        return logits
+
+    @torch.no_grad()
+    def draft(
+        self, hidden_last: torch.Tensor, token: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy chain of k depths from one position.
+
+        hidden_last [B, 1, H] is the target's h_t; token [B, 1] is x_{t+1} (full ids).
+        Returns draft ids [B, k] (full ids, x_{t+2}..x_{t+1+k}) and logits [B, k, V'].
+
+        Simplification: each depth sees only the current position (a length-1 sequence),
+        so no per-depth KV cache is kept. The chain stays causal - depth i uses only h_t and
+        x_{t+1}..x_{t+1+i}, all known when it runs - and h_t already summarises the prefix.
+        Training attends over earlier positions too, so this costs acceptance, never
+        correctness: verification against the target keeps decoding lossless.
+        """
+        if not 1 <= k <= len(self.depths):
+            raise SpecMTPError(f"cannot draft {k} tokens with {len(self.depths)} MTP depths")
+        state, tokens, logits = hidden_last, token, []
+        for depth in self.depths[:k]:
+            state, normed = depth(state, self._embed(tokens[:, -1:]))
+            logits.append(self.projection(normed)[:, -1])  # [B, V']
+            tokens = torch.cat([tokens, self.to_full_ids(logits[-1].argmax(-1, keepdim=True))], 1)
+        return tokens[:, 1:], torch.stack(logits, dim=1)
+
+
+Heads = ParallelHeads | SequentialMTP
+
+
+def build_heads(config: HeadsConfig, target_model: PreTrainedModel) -> Heads:
+    """Fresh heads for `target_model`, sharing its LM head (and embedding), on its device
+    and in its dtype. The one place that turns `kind` into a class."""
+    lm_head = _lm_head_weight(target_model)
+    heads: Heads
+    if config.kind == "parallel":
+        heads = ParallelHeads(config, lm_head_weight=lm_head)
+    else:
+        embed = target_model.get_input_embeddings().weight
+        heads = SequentialMTP(config, lm_head_weight=lm_head, embed_weight=embed)
+    return heads.to(device=lm_head.device, dtype=lm_head.dtype)
+
+
+def save_heads(module: Heads, config: HeadsConfig, directory: str | Path) -> None:
+    """Write heads.safetensors (trainable parameters only) and heads.json, each atomically."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: p.detach().contiguous() for name, p in module.named_parameters()}
+    _write_atomically(directory / HEADS_WEIGHTS, lambda path: save_file(tensors, str(path)))
+    _write_atomically(directory / HEADS_CONFIG, lambda path: path.write_text(config.to_json()))
+
+
+def load_heads(
+    directory: str | Path, *, target_model: PreTrainedModel
+) -> tuple[Heads, HeadsConfig]:
+    """Heads saved by save_heads, checked against and bound to `target_model`."""
+    directory = Path(directory)
+    try:
+        config = HeadsConfig.from_json((directory / HEADS_CONFIG).read_text())
+        tensors = load_file(str(directory / HEADS_WEIGHTS))
+    except (OSError, UnicodeDecodeError, SafetensorError) as exc:
+        raise SpecMTPError(f"cannot read heads from {directory}: {_first_line(exc)}") from exc
+    expected = describe_target(target_model)
+    hidden = target_model.config.get_text_config().hidden_size
+    vocab = _lm_head_weight(target_model).shape[0]
+    for what, theirs, ours in (
+        ("hidden size", config.hidden_size, hidden),
+        ("vocab size", config.vocab_size, vocab),
+        ("base model", config.base_model, expected),
+    ):
+        if theirs != ours:
+            raise SpecMTPError(
+                f"heads in {directory} were trained for {what} {theirs!r}, the target has {ours!r}"
+            )
+    heads = build_heads(config, target_model)
+    try:
+        heads.load_state_dict(tensors, strict=True)
+    except RuntimeError as exc:  # missing, unexpected or misshapen tensors
+        raise SpecMTPError(
+            f"heads in {directory} do not match their config: {_first_line(exc)}"
+        ) from exc
+    return heads, config
+
+
+def _lm_head_weight(model: PreTrainedModel) -> torch.Tensor:
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        raise SpecMTPError(f"{type(model).__name__}: MTP heads need a bias-free linear LM head")
+    return head.weight  # [V, H]
+
+
+def _write_atomically(final: Path, write: Callable[[Path], Any]) -> None:
+    """Write to a temporary file beside `final`, then rename it into place."""
+    fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(name))
+        os.replace(name, final)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
