@@ -15,8 +15,9 @@ from transformers import PreTrainedModel
 
 from specmtp.cache import CachedModel
 from specmtp.config import SamplingConfig
+from specmtp.heads import Heads, SequentialMTP
 from specmtp.sampling import choose, logits_to_probs
-from specmtp.tree import TokenTree
+from specmtp.tree import TokenTree, build_tree_tokens
 
 
 @dataclass(frozen=True)
@@ -155,3 +156,65 @@ class DraftModelDrafter:
 
     def observe(self, outcome: Outcome) -> None:
         self._rollback_to_prefix_of(outcome.context)
+
+
+class MTPDrafter:
+    """Self-speculation: MTP heads read the target's own last hidden state and draft the
+    tokens after the pending one (head i: x_{t+2+i} from h_t), as a chain or a token tree.
+
+    Parallel heads give every depth's candidates from h_t at once; sequential MTP depths
+    chain greedily, and a tree then takes each depth's top candidates along that chain.
+    Tree candidates and sequential drafts are fixed choices (verified with one-hot q);
+    a sampled chain from parallel heads carries its q for rejection sampling.
+    """
+
+    def __init__(self, heads: Heads, *, tree: TokenTree | None = None, name: str = "mtp") -> None:
+        self.heads = heads.eval()
+        self.tree = tree
+        self.name = name
+        self.needs_target_hidden = True
+        self.hidden: torch.Tensor | None = None  # [B, 1, H] at the last verified position
+
+    @property
+    def max_depth(self) -> int:
+        return self.heads.config.num_heads
+
+    def reset(self) -> None:
+        self.hidden = None
+
+    def observe(self, outcome: Outcome) -> None:
+        assert outcome.target_hidden is not None  # the loop keeps it: needs_target_hidden
+        self.hidden = outcome.target_hidden[:, -1:]
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        k = min(k, self.max_depth)
+        if self.hidden is None or k == 0:  # the first round has no verified hidden state yet
+            return empty_proposal(context.shape[0], context.device)
+        logits = self._depth_logits(context[:, -1:], k)  # [B, k, V] full vocabulary
+        if self.tree is not None:
+            return self._tree_proposal(logits, k)
+        if sampling.greedy or isinstance(self.heads, SequentialMTP):
+            return Proposal(logits.argmax(-1), None)
+        q = logits_to_probs(logits, sampling)  # [B, k, V]: each head's own distribution
+        return Proposal(choose(q, sampling, generator), q)
+
+    def _depth_logits(self, pending: torch.Tensor, k: int) -> torch.Tensor:
+        """Logits over the full vocabulary for draft depths 1..k: [B, k, V]."""
+        if isinstance(self.heads, SequentialMTP):
+            _, logits = self.heads.draft(self.hidden, pending, k)  # [B, k, V']
+        else:
+            logits = self.heads(self.hidden)[:, :k, -1]  # [B, K, 1, V'] -> [B, k, V']
+        return self.heads.to_full_logits(logits)
+
+    def _tree_proposal(self, logits: torch.Tensor, k: int) -> Proposal:
+        tree = self.tree.pruned(k)
+        width = max(path[-1] for path in tree.paths) + 1
+        candidates = list(logits.topk(width, dim=-1).indices.unbind(1))  # k x [B, width]
+        return Proposal(build_tree_tokens(tree, candidates), None, tree=tree)

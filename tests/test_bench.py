@@ -18,6 +18,13 @@ QUESTIONS = [
 ]
 
 
+@pytest.fixture
+def questions(tmp_path: Path) -> Path:
+    path = tmp_path / "question.jsonl"
+    path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return path
+
+
 def run_cli(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capfd.readouterr()
@@ -66,7 +73,7 @@ def test_bench_sampling_repeats(capfd: pytest.CaptureFixture[str], questions: Pa
 def _run(tokens: list[int], accepted_per_round: list[int], latency: float) -> PromptRun:
     stats = GenerationStats(gamma=2)
     for accepted in accepted_per_round:
-        stats.record_round(2, accepted)
+        stats.record_round(2, accepted, verified=3)
     stats.new_tokens = len(tokens)
     return PromptRun(0, tokens, stats, [latency, latency * 3, latency])
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY_VOCAB, tiny_model
 from transformers import PreTrainedModel
 
 from specmtp.errors import SpecMTPError
@@ -23,7 +24,6 @@ from specmtp.heads import (
     load_heads,
     save_heads,
 )
-from tests.conftest import TINY_VOCAB, tiny_model
 
 KINDS = ("parallel", "sequential")
 

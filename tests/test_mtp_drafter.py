@@ -1,0 +1,84 @@
+"""MTP heads as a drafter: greedy-exact in chain and tree form, and useful once trained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, tiny_model
+from test_decode_tree import TREE
+from test_greedy import hf_greedy
+from transformers import PreTrainedModel
+
+from specmtp.config import GenerationConfig, SamplingConfig
+from specmtp.decode import SpecDecoder
+from specmtp.drafters import MTPDrafter
+from specmtp.heads import Heads, HeadsConfig, build_heads, describe_target
+from specmtp.mtp_loss import decaying_weights, mtp_losses
+
+PROMPT = [5, 17, 3, 88, 41, 5, 17, 3, 60, 2]
+
+
+def trained_heads(target: PreTrainedModel, kind: str, *, steps: int) -> Heads:
+    """Heads fitted for a few steps to the target's own greedy continuations."""
+    config = HeadsConfig(
+        kind=kind,
+        num_heads=3,
+        hidden_size=target.config.hidden_size,
+        vocab_size=TINY_VOCAB,
+        base_model=describe_target(target),
+    )
+    torch.manual_seed(0)
+    heads = build_heads(config, target)
+    prompts = torch.randint(1, TINY_VOCAB, (16, 10), generator=torch.Generator().manual_seed(1))
+    prompts[0] = torch.tensor(PROMPT)  # the heads see the test prompt's continuation
+    with torch.no_grad():
+        ids = target.generate(prompts, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        hidden = target(ids, output_hidden_states=True).hidden_states[-1]
+    optimizer = torch.optim.Adam([p for p in heads.parameters() if p.requires_grad], lr=1e-2)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        mtp_losses(heads, ids, hidden, mask, decaying_weights(3)).loss.backward()
+        optimizer.step()
+    return heads
+
+
+@pytest.fixture(scope="module")
+def target() -> PreTrainedModel:
+    return tiny_model("llama", seed=0)
+
+
+@pytest.mark.parametrize("kind", ["parallel", "sequential"])
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("steps", [0, 60])
+def test_mtp_drafting_is_greedy_exact(
+    target: PreTrainedModel, kind: str, tree: bool, steps: int
+) -> None:
+    heads = trained_heads(target, kind, steps=steps)
+    drafter = MTPDrafter(heads, tree=TREE if tree else None)
+    decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
+    result = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=40, gamma=3))
+    assert result.tokens == hf_greedy(target, PROMPT, 40)
+    assert result.stats.drafted_tokens > 0
+
+
+def test_trained_parallel_heads_are_accepted_more_than_fresh_ones(target: PreTrainedModel) -> None:
+    def tau(steps: int) -> float:
+        drafter = MTPDrafter(trained_heads(target, "parallel", steps=steps))
+        decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
+        return decoder.generate(
+            PROMPT, GenerationConfig(max_new_tokens=40, gamma=3)
+        ).stats.mean_accepted_tokens
+
+    assert tau(300) > tau(0) + 0.25
+
+
+def test_sampled_mtp_chain_is_seeded(target: PreTrainedModel) -> None:
+    drafter = MTPDrafter(trained_heads(target, "parallel", steps=30))
+    decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
+
+    def run(seed: int) -> list[int]:
+        sampling = SamplingConfig(temperature=0.9, top_p=0.95)
+        return decoder.generate(PROMPT, GenerationConfig(30, 3, sampling, seed=seed)).tokens
+
+    assert run(1) == run(1) != run(2)
