@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import Drafter, DraftModelDrafter, NgramDrafter
+from specmtp.drafters import Drafter, DraftModelDrafter, MTPDrafter, NgramDrafter
 from specmtp.errors import SpecMTPError
+from specmtp.heads import load_heads, shipped_heads_dir
 from specmtp.models import LoadedModel, check_tokenizers_agree, load_model, usable_vocab_size
 from specmtp.stats import GenerationStats
+from specmtp.tree import TREE_FILE, TokenTree
 
 
 @dataclass(frozen=True)
@@ -29,11 +32,19 @@ def build_drafter(
     """Turn a draft spec string into a drafter; also return the vocabulary both share.
 
     This is the one place that dispatches on the spec: `ngram` or `ngram:N` (longest
-    n-gram N), otherwise a model spec as for the target. A Drafter object is used as is.
+    n-gram N); `mtp` / `mtp:HEADS_DIR` (MTP heads drafting a chain); `mtp-tree`,
+    `mtp-tree:HEADS_DIR` (a tree, from the heads' tree.json) or `mtp-tree:TREE.json` (a
+    custom tree on the shipped heads); otherwise a model spec as for the target. A Drafter
+    object is used as is.
     """
     target_vocab = usable_vocab_size(target, target)
     if spec is None or not isinstance(spec, str):
         return spec, target_vocab
+    method, _, argument = spec.partition(":")
+    if method in ("mtp", "mtp-tree"):
+        return build_mtp_drafter(
+            spec, target, tree=method == "mtp-tree", path=argument
+        ), target_vocab
     if spec == "ngram" or spec.startswith("ngram:"):
         size = spec.partition(":")[2] or "3"
         if not size.isdigit() or int(size) < 1:
@@ -45,6 +56,25 @@ def build_drafter(
     )
     vocab = usable_vocab_size(target, draft)
     return DraftModelDrafter(draft.model, vocab_size=vocab, name=spec), vocab
+
+
+def build_mtp_drafter(spec: str, target: LoadedModel, *, tree: bool, path: str) -> MTPDrafter:
+    """MTP heads for `target`: the ones shipped for the default model unless a path is given."""
+    heads_dir, tree_file = shipped_heads_dir(), None
+    if path.endswith(".json"):
+        tree_file = Path(path)
+    elif path:
+        heads_dir = Path(path)
+    heads, _ = load_heads(heads_dir, target_model=target.model)
+    token_tree = None
+    if tree:
+        token_tree = TokenTree.load(tree_file or heads_dir / TREE_FILE)
+        if token_tree.max_depth > heads.config.num_heads:
+            raise SpecMTPError(
+                f"the tree is {token_tree.max_depth} deep but the heads predict "
+                f"{heads.config.num_heads} tokens"
+            )
+    return MTPDrafter(heads, tree=token_tree, name=spec)
 
 
 def eos_token_ids(loaded: LoadedModel) -> list[int]:

@@ -170,6 +170,16 @@ class _HeadsBase(nn.Module):
         draft_ids = self.projection.draft_ids
         return ids if draft_ids is None else draft_ids[ids]
 
+    def to_draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids (any shape) -> indices into the heads' logits; -1 where the
+        token is outside draft_vocab (a label the heads cannot predict)."""
+        draft_ids = self.projection.draft_ids
+        if draft_ids is None:
+            return ids
+        index = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        index[draft_ids.to(ids.device)] = torch.arange(len(draft_ids), device=ids.device)
+        return index[ids]
+
     def to_full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [..., V'] -> [..., V], -inf outside draft_vocab (softmax stays a
         distribution over the full vocabulary, zero off the draft vocabulary)."""
@@ -210,7 +220,11 @@ class ParallelHeads(_HeadsBase):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, n, H] -> logits [B, K, n, V']."""
-        return torch.stack([self.projection(head(hidden)) for head in self.heads], dim=1)
+        return torch.stack([self.head(i, hidden) for i in range(len(self.heads))], dim=1)
+
+    def head(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Head i alone: hidden [..., H] -> logits [..., V'] (training scores few rows)."""
+        return self.projection(self.heads[i](hidden))
 
 
 class _Block(nn.Module):
@@ -328,6 +342,11 @@ class SequentialMTP(_HeadsBase):
 
 
 Heads = ParallelHeads | SequentialMTP
+
+
+def shipped_heads_dir() -> Path:
+    """The heads that ship with the package, trained for the default model."""
+    return Path(__file__).parent / "assets" / "smollm2-135m-mtp"
 
 
 def build_heads(config: HeadsConfig, target_model: PreTrainedModel) -> Heads:

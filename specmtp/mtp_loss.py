@@ -29,14 +29,6 @@ class HeadLosses:
     per_head_count: list[int]  # positions scored per head
 
 
-def head_logits(heads: Heads, input_ids: torch.Tensor, hidden: torch.Tensor) -> list[torch.Tensor]:
-    """Per head i, logits [B, n-1-i, V] (rows t = 0..n-2-i); the last rows have no label yet."""
-    n = input_ids.shape[1]
-    if isinstance(heads, ParallelHeads):
-        return [logits[:, : n - 1 - i] for i, logits in enumerate(heads(hidden).unbind(1))]
-    return heads.forward_all(hidden, input_ids)
-
-
 def mtp_losses(
     heads: Heads,
     input_ids: torch.Tensor,  # [B, n]
@@ -44,24 +36,29 @@ def mtp_losses(
     loss_mask: torch.Tensor,  # [B, n] True where a token may serve as a label
     weights: Sequence[float],
 ) -> HeadLosses:
+    """Σ_i λ_i CE_i. Parallel heads are scored only at rows that have a label, which on
+    prompt-heavy data is most of the saving; sequential depths need whole sequences."""
     n = input_ids.shape[1]
+    depth_logits = (
+        None if isinstance(heads, ParallelHeads) else heads.forward_all(hidden, input_ids)
+    )
     total = hidden.new_zeros(())
     ces, accs, counts = [], [], []
-    for i, logits in enumerate(head_logits(heads, input_ids, hidden)):
-        if n - 2 - i <= 0:
-            break
-        logits = heads.to_full_logits(logits[:, : n - 2 - i])  # [B, n-2-i, V]
-        labels = input_ids[:, 2 + i :]  # [B, n-2-i]
-        mask = loss_mask[:, 2 + i :]
-        # A reduced draft vocabulary cannot learn labels outside it: they count as misses
-        # in the accuracy but stay out of the cross-entropy (which would be infinite).
-        learnable = mask & torch.isfinite(logits.gather(-1, labels[..., None]).squeeze(-1))
-        count = int(mask.sum())
-        hits = (logits.argmax(-1) == labels) & mask
-        ce = F.cross_entropy(logits[learnable], labels[learnable]) if learnable.any() else None
-        if ce is not None:
+    for i in range(min(heads.config.num_heads, n - 2)):
+        rows = loss_mask[:, 2 + i :]  # [B, n-2-i]: label x_{t+2+i} exists and counts
+        labels = heads.to_draft_ids(input_ids[:, 2 + i :][rows])  # [M], -1: not in draft vocab
+        if depth_logits is None:
+            logits = heads.head(i, hidden[:, : n - 2 - i][rows])  # [M, V']
+        else:
+            logits = depth_logits[i][:, : n - 2 - i][rows]  # [M, V']
+        # Labels outside a reduced draft vocabulary count as misses in the accuracy but
+        # stay out of the cross-entropy, which could never reach them.
+        learnable = labels >= 0
+        if learnable.any():
+            ce = F.cross_entropy(logits[learnable], labels[learnable])
             total = total + weights[i] * ce
-        ces.append(float(ce.detach()) if ce is not None else 0.0)
-        accs.append(float(hits.sum()) / count if count else 0.0)
+        count = len(labels)
+        ces.append(float(ce.detach()) if learnable.any() else 0.0)
+        accs.append(float((logits.argmax(-1) == labels).sum()) / count if count else 0.0)
         counts.append(count)
     return HeadLosses(total, ces, accs, counts)

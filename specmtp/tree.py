@@ -42,6 +42,9 @@ Candidates = Sequence[torch.Tensor] | Mapping[Path, torch.Tensor]
 TREE_ATTENTION = ("eager", "sdpa")
 
 
+TREE_FILE = "tree.json"  # the tree shipped beside a set of MTP heads
+
+
 @dataclass(frozen=True)
 class TokenTree:
     """A tree shape as data: root-to-node paths of child ranks (Medusa's `medusa_choices`).
@@ -111,7 +114,11 @@ class TokenTree:
 
     @classmethod
     def load(cls, path: str | FilePath) -> TokenTree:
-        return cls.from_json(FilePath(path).read_text())
+        try:
+            text = FilePath(path).read_text()
+        except OSError as e:
+            raise SpecMTPError(f"cannot read token tree {path}: {e.strerror or e}") from e
+        return cls.from_json(text)
 
     def save(self, path: str | FilePath) -> None:
         FilePath(path).write_text(self.to_json() + "\n")

@@ -1,0 +1,241 @@
+"""`specmtp train-mtp`: train MTP heads on a frozen target by self-distillation.
+
+The target answers training prompts (greedily, cached with its final hidden states by
+`specmtp.data`); heads learn to predict the answer tokens 2, 3, ... positions ahead from
+those hidden states, with loss Σ_i λ_i CE_i. The trunk never changes, so the target's own
+outputs stay exactly the same. Runs under `accelerate` (CPU, one GPU, or `accelerate
+launch`); checkpoints are atomic and a rerun of the same command resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from specmtp.checkpoint import load_latest_checkpoint, save_checkpoint
+from specmtp.data import (
+    DistillBatch,
+    DistillCache,
+    DistillConfig,
+    build_cache,
+    iter_batches,
+    load_train_prompts,
+    model_fingerprint,
+)
+from specmtp.errors import SpecMTPError
+from specmtp.heads import Heads, HeadsConfig, build_heads, describe_target, save_heads
+from specmtp.models import LoadedModel, load_model
+from specmtp.mtp_loss import decaying_weights, mtp_losses
+
+WARMUP_STEPS = 50
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run; `out` holds data cache, checkpoints, metrics and the final heads."""
+
+    sources: tuple[Path, ...]
+    out: Path
+    target: str = "default"
+    kind: str = "parallel"
+    num_heads: int = 4
+    num_layers: int = 1
+    draft_vocab: int = 0  # 0: the full vocabulary; N: the N most frequent answer tokens
+    decay: float = 0.8  # λ_i = decay^i
+    steps: int = 1000
+    batch_size: int = 8
+    seq_len: int = 384
+    lr: float = 1e-3
+    checkpoint_every: int = 100
+    eval_every: int = 250
+    heldout_fraction: float = 0.05
+    limit_per_source: int | None = None
+    max_new_tokens: int = 128
+    seed: int = 0
+    data: DistillConfig = field(default_factory=DistillConfig)
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise SpecMTPError("give at least one prompt source (--data)")
+        positive = ("num_heads", "num_layers", "steps", "batch_size", "seq_len")
+        for name in (*positive, "checkpoint_every", "eval_every"):
+            if getattr(self, name) < 1:
+                raise SpecMTPError(f"{name.replace('_', '-')} must be >= 1")
+        if self.draft_vocab < 0 or not 0 < self.decay <= 1 or self.lr <= 0:
+            raise SpecMTPError("need draft-vocab >= 0, decay in (0, 1] and lr > 0")
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    steps: int
+    heldout_accuracy: list[float]  # per head, top-1 on held-out answers
+    tokens: int  # answer + prompt tokens in the data cache
+    seconds: float
+
+
+def train_mtp(config: TrainConfig) -> TrainReport:
+    start_time = time.perf_counter()
+    target = load_model(config.target)
+    prompts = load_train_prompts(
+        config.sources, limit_per_source=config.limit_per_source, seed=config.seed
+    )
+    data_config = DistillConfig(**{**asdict(config.data), "max_new_tokens": config.max_new_tokens})
+    cache = build_cache(
+        target, prompts, config.out / "data", config=data_config,
+        sources=[str(s) for s in config.sources],
+    )  # fmt: skip
+    heads_config = make_heads_config(config, target, cache)
+    torch.manual_seed(config.seed)
+    heads = build_heads(heads_config, target.model)
+    trainable = [p for p in heads.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
+    accelerator = Accelerator()
+    heads, optimizer = accelerator.prepare(heads, optimizer)
+    plain = accelerator.unwrap_model(heads)
+    identity = run_identity(config, target, cache, heads_config)
+    checkpoints = config.out / "checkpoints"
+    step = load_latest_checkpoint(checkpoints, module=plain, optimizer=optimizer, identity=identity)
+    metrics = MetricsLog(config.out / "metrics.jsonl", resume_after=step)
+    batches = endless_batches(cache, config, skip=step)
+    weights = decaying_weights(config.num_heads, config.decay)
+    bar = tqdm(total=config.steps, initial=step, desc="train-mtp", disable=None)
+    while step < config.steps:
+        batch = next(batches)
+        set_lr(optimizer, config, step)
+        losses = mtp_losses(plain, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights)
+        optimizer.zero_grad()
+        accelerator.backward(losses.loss)
+        accelerator.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        step += 1
+        accs = [round(a, 3) for a in losses.per_head_accuracy]
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses.loss.item():.3f}", acc=accs)
+        metrics.write(step=step, loss=losses.loss.item(), ce=losses.per_head_ce, acc=accs)
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            save_checkpoint(
+                checkpoints, step=step, module=plain, optimizer=optimizer, identity=identity
+            )
+        if step % config.eval_every == 0 or step == config.steps:
+            metrics.write(step=step, split="heldout", acc=evaluate(plain, cache, config))
+    bar.close()
+    heldout = evaluate(plain, cache, config)
+    save_heads(plain, heads_config, config.out)
+    seconds = time.perf_counter() - start_time
+    report = TrainReport(step, heldout, int(cache.manifest["num_tokens"]), seconds)
+    (config.out / "report.json").write_text(json.dumps(asdict(report), indent=1))
+    return report
+
+
+def make_heads_config(config: TrainConfig, target: LoadedModel, cache: DistillCache) -> HeadsConfig:
+    text_config = target.model.config.get_text_config()
+    return HeadsConfig(
+        kind=config.kind,
+        num_heads=config.num_heads,
+        hidden_size=text_config.hidden_size,
+        vocab_size=target.model.get_output_embeddings().weight.shape[0],
+        base_model=describe_target(target.model),
+        num_layers=config.num_layers,
+        draft_vocab=frequent_tokens(cache, config) if config.draft_vocab else None,
+    )
+
+
+def frequent_tokens(cache: DistillCache, config: TrainConfig) -> tuple[int, ...]:
+    """The `draft_vocab` most frequent answer tokens of the training split, sorted by id."""
+    counts: Counter[int] = Counter()
+    for batch in iter_batches(
+        cache, batch_size=64, seq_len=10**6, seed=None, heldout_fraction=config.heldout_fraction
+    ):
+        counts.update(batch.input_ids[batch.loss_mask].tolist())
+    return tuple(sorted(token for token, _ in counts.most_common(config.draft_vocab)))
+
+
+def run_identity(
+    config: TrainConfig, target: LoadedModel, cache: DistillCache, heads: HeadsConfig
+) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: model, data, heads, optimisation."""
+    settings = {
+        k: v for k, v in asdict(config).items() if k not in ("out", "sources", "data", "steps")
+    }
+    return {
+        "model": model_fingerprint(target),
+        "data": cache.manifest["key"],
+        "heads": json.loads(heads.to_json()),
+        "settings": json.loads(json.dumps(settings, default=str)),
+    }
+
+
+def endless_batches(
+    cache: DistillCache, config: TrainConfig, *, skip: int
+) -> Iterator[DistillBatch]:
+    """Epoch e shuffles with seed + e; the first `skip` batches are passed over (resume)."""
+    epoch, seen = 0, 0
+    while True:
+        for batch in iter_batches(
+            cache, batch_size=config.batch_size, seq_len=config.seq_len,
+            seed=config.seed + epoch, heldout_fraction=config.heldout_fraction,
+        ):  # fmt: skip
+            seen += 1
+            if seen > skip:
+                yield batch
+        epoch += 1
+
+
+def set_lr(optimizer: torch.optim.Optimizer, config: TrainConfig, step: int) -> None:
+    """Linear warm-up, then cosine decay to a tenth: a function of the step, so resuming
+    needs no scheduler state."""
+    if step < WARMUP_STEPS:
+        scale = (step + 1) / WARMUP_STEPS
+    else:
+        progress = (step - WARMUP_STEPS) / max(1, config.steps - WARMUP_STEPS)
+        scale = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    for group in optimizer.param_groups:
+        group["lr"] = config.lr * scale
+
+
+@torch.no_grad()
+def evaluate(heads: Heads, cache: DistillCache, config: TrainConfig) -> list[float]:
+    """Per-head top-1 accuracy on the held-out answers."""
+    hits = [0.0] * config.num_heads
+    counts = [0] * config.num_heads
+    weights = decaying_weights(config.num_heads, config.decay)
+    for batch in iter_batches(
+        cache, batch_size=config.batch_size, seq_len=config.seq_len, seed=None,
+        split="heldout", heldout_fraction=config.heldout_fraction,
+    ):  # fmt: skip
+        result = mtp_losses(heads, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights)
+        for i, (acc, n) in enumerate(
+            zip(result.per_head_accuracy, result.per_head_count, strict=False)
+        ):
+            hits[i] += acc * n
+            counts[i] += n
+    return [round(h / c, 4) if c else 0.0 for h, c in zip(hits, counts, strict=True)]
+
+
+class MetricsLog:
+    """metrics.jsonl, one object per line. On resume the lines past the checkpoint are
+    dropped, since those steps run again."""
+
+    def __init__(self, path: Path, *, resume_after: int) -> None:
+        self.path = path
+        kept = []
+        if path.exists():
+            kept = [
+                line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= resume_after
+            ]  # fmt: skip
+        path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, **record: Any) -> None:
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
