@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from specmtp.api import eos_token_ids
 from specmtp.errors import SpecMTPError
@@ -242,10 +243,13 @@ def generate_answers(
             )
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     answers: dict[int, tuple[int, ...]] = {}
+    bar = tqdm(total=len(order), desc="target answers", unit="prompt", disable=None)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
         batch = _generate_batch(model, [encoded[i] for i in rows], max_new_tokens)
         answers.update(zip(rows, batch, strict=True))
+        bar.update(len(rows))
+    bar.close()
     return [Sample(tuple(ids), answers[i]) for i, ids in enumerate(encoded)]
 
 

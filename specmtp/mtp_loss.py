@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from specmtp.heads import Heads, ParallelHeads
 
+RANKS = 10
+
 
 def decaying_weights(num_heads: int, decay: float = 0.8) -> list[float]:
     """λ_i = decay^i: near heads matter most, since a chain stops at its first miss."""
@@ -27,6 +29,9 @@ class HeadLosses:
     per_head_ce: list[float]
     per_head_accuracy: list[float]  # top-1 against the label
     per_head_count: list[int]  # positions scored per head
+    # [head][r]: how often the label was the head's rank-r candidate (r < RANKS); held-out
+    # counts of this shape choose the token tree (tree.best_tree).
+    per_head_rank_counts: list[list[int]]
 
 
 def mtp_losses(
@@ -43,7 +48,7 @@ def mtp_losses(
         None if isinstance(heads, ParallelHeads) else heads.forward_all(hidden, input_ids)
     )
     total = hidden.new_zeros(())
-    ces, accs, counts = [], [], []
+    ces, accs, counts, ranks = [], [], [], []
     for i in range(min(heads.config.num_heads, n - 2)):
         rows = loss_mask[:, 2 + i :]  # [B, n-2-i]: label x_{t+2+i} exists and counts
         labels = heads.to_draft_ids(input_ids[:, 2 + i :][rows])  # [M], -1: not in draft vocab
@@ -61,4 +66,11 @@ def mtp_losses(
         ces.append(float(ce.detach()) if learnable.any() else 0.0)
         accs.append(float((logits.argmax(-1) == labels).sum()) / count if count else 0.0)
         counts.append(count)
-    return HeadLosses(total, ces, accs, counts)
+        ranks.append(_rank_counts(logits.detach()[learnable], labels[learnable]))
+    return HeadLosses(total, ces, accs, counts, ranks)
+
+
+def _rank_counts(logits: torch.Tensor, labels: torch.Tensor) -> list[int]:
+    """Histogram over r < RANKS of the label's rank among logits [M, V'] (ties favour it)."""
+    rank = (logits > logits.gather(-1, labels[:, None])).sum(-1)  # [M]
+    return torch.bincount(rank[rank < RANKS], minlength=RANKS).tolist()

@@ -358,3 +358,24 @@ def commit_tree_path(target: CachedModel, past_length: int, path_nodes: Sequence
             "positions of the last tree forward"
         )
     target.keep(past_length, torch.tensor(kept))
+
+
+def best_tree(rank_probs: Sequence[Sequence[float]], budget: int) -> TokenTree:
+    """The tree of `budget` nodes with the largest expected accepted length (Medusa's greedy
+    construction): rank_probs[d][r] is how often the rank-r candidate of depth d+1 is the
+    right token, measured on held-out data. A path's chance is the product along it,
+    assuming depths independent; since a child's chance is below its parent's, adding the
+    likeliest frontier node each time yields the best tree for every budget.
+    """
+    if budget < 1 or not rank_probs or not rank_probs[0]:
+        raise SpecMTPError("a tree needs a budget >= 1 and rank probabilities for depth 1")
+    chosen: list[tuple[int, ...]] = []
+    frontier = {(r,): rank_probs[0][r] for r in range(len(rank_probs[0]))}
+    while frontier and len(chosen) < budget:
+        path = max(frontier, key=lambda p: (frontier[p], [-x for x in p]))
+        chance = frontier.pop(path)
+        chosen.append(path)
+        if len(path) < len(rank_probs):
+            for r, prob in enumerate(rank_probs[len(path)]):
+                frontier[(*path, r)] = chance * prob
+    return TokenTree(tuple(chosen))

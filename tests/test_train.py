@@ -1,0 +1,97 @@
+"""`train-mtp` end to end on a tiny target: outputs, exact resume, refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from safetensors.torch import load_file
+
+from specmtp.cli import main
+from specmtp.errors import SpecMTPError
+from specmtp.heads import load_heads
+from specmtp.models import load_model
+from specmtp.train import TrainConfig, train_mtp
+from specmtp.tree import TREE_FILE, TokenTree
+
+PROMPTS = "\n\n".join(
+    f"Question {i}: list {i} colours, then count them one by one." for i in range(12)
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the default model's tokenizer, as a model directory."""
+    tokenizer = load_model("default").tokenizer
+    path = tmp_path_factory.mktemp("tiny-target")
+    model = tiny_model("llama", seed=0, vocab_size=len(tokenizer), context=512)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    # One paragraph per prompt: a .txt source is cut at blank lines into chunks.
+    path.write_text(PROMPTS.replace("\n\n", "\n\n" + "x" * 1400 + "\n\n"))
+    return path
+
+
+def config(target: Path, prompts: Path, out: Path, steps: int) -> TrainConfig:
+    return TrainConfig(
+        sources=(prompts,), out=out, target=str(target), num_heads=3, steps=steps,
+        batch_size=2, seq_len=64, max_new_tokens=12, checkpoint_every=2, eval_every=3,
+        heldout_fraction=0.25, draft_vocab=300,
+    )  # fmt: skip
+
+
+def test_training_writes_loadable_heads_and_a_tree(
+    tiny_target: Path, prompts: Path, tmp_path: Path
+) -> None:
+    report = train_mtp(config(tiny_target, prompts, tmp_path, steps=5))
+    assert report.steps == 5 and len(report.heldout_accuracy) == 3
+    _, heads_config = load_heads(tmp_path, target_model=load_model(str(tiny_target)).model)
+    assert heads_config.num_heads == 3 and len(heads_config.draft_vocab) <= 300
+    tree = TokenTree.load(tmp_path / TREE_FILE)
+    assert 1 <= tree.max_depth <= 3
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert sum('"loss"' in line for line in lines) == 5
+
+
+def test_interrupted_training_resumes_to_the_same_heads(
+    tiny_target: Path, prompts: Path, tmp_path: Path
+) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_mtp(config(tiny_target, prompts, straight, steps=6))
+    train_mtp(config(tiny_target, prompts, resumed, steps=3))  # "killed" after step 3
+    train_mtp(config(tiny_target, prompts, resumed, steps=6))
+    a = load_file(straight / "heads.safetensors")
+    b = load_file(resumed / "heads.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name])
+    steps = [
+        line for line in (resumed / "metrics.jsonl").read_text().splitlines() if "loss" in line
+    ]
+    assert len(steps) == 6  # the resumed steps are not logged twice
+
+
+def test_a_run_directory_of_other_settings_is_refused(
+    tiny_target: Path, prompts: Path, tmp_path: Path
+) -> None:
+    train_mtp(config(tiny_target, prompts, tmp_path, steps=2))
+    other = TrainConfig(**{**config(tiny_target, prompts, tmp_path, 4).__dict__, "lr": 5e-3})
+    with pytest.raises(SpecMTPError, match="another run"):
+        train_mtp(other)
+
+
+def test_cli_bad_training_input(capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code = main(["train-mtp", "--data", str(tmp_path / "missing"), "--out", str(tmp_path)])
+    err = capfd.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    code = main(["train-mtp", "--data", str(tmp_path), "--out", str(tmp_path), "--steps", "0"])
+    assert code == 2
