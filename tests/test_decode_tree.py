@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_VOCAB, perturbed_copy, tiny_model
+from lossless_models import decoder_counts, peaked_target_and_draft, target_joint
+from lossless_stats import fit
 from test_greedy import hf_greedy
 from transformers import PreTrainedModel
 
@@ -122,3 +124,15 @@ def test_cached_model_keeps_hidden_only_when_asked() -> None:
     keeping = CachedModel(model, vocab_size=TINY_VOCAB, keep_hidden=True)
     keeping.forward(torch.tensor([PROMPT]))
     assert keeping.last_hidden.shape == (1, len(PROMPT), model.config.hidden_size)
+
+
+def test_tree_rounds_emit_the_target_joint_at_temperature() -> None:
+    """Loop-level losslessness of tree rounds: the first three tokens of 3000 sampled
+    generations against the target's exact joint (the verification-level tree tests in
+    test_tree.py show that wrong rules fail the same statistic)."""
+    target, draft = peaked_target_and_draft()
+    tree = TokenTree(((0,), (1,), (0, 0), (0, 1), (1, 0)))
+    sampling = SamplingConfig(temperature=1.0)
+    counts = decoder_counts(target, TopKTreeDrafter(draft, tree), sampling, 3000)
+    result = fit(counts, target_joint(target, sampling))
+    assert result.passes, result
