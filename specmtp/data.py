@@ -513,6 +513,14 @@ class DistillCache:
     def num_samples(self) -> int:
         return int(self._starts[-1])
 
+    def answer_tokens(self, index: int) -> torch.Tensor:
+        """The answer token ids of one sample [m], without reading its large tensors."""
+        shard_index = int(torch.searchsorted(self._starts, index, right=True)) - 1
+        _, offsets, small = self._shards[shard_index]
+        local = index - int(self._starts[shard_index])
+        begin, end = int(offsets[local]), int(offsets[local + 1])
+        return small["input_ids"][begin:end][small["loss_mask"][begin:end]].long()
+
     def sample(self, index: int) -> dict[str, torch.Tensor]:
         """One sample's tensors: input_ids [n], loss_mask [n], hidden [n, H], topk_* [n, k]."""
         shard_index = int(torch.searchsorted(self._starts, index, right=True)) - 1

@@ -28,6 +28,7 @@ from specmtp.data import (
     DistillCache,
     DistillConfig,
     build_cache,
+    is_heldout,
     iter_batches,
     load_train_prompts,
     model_fingerprint,
@@ -160,10 +161,9 @@ def make_heads_config(config: TrainConfig, target: LoadedModel, cache: DistillCa
 def frequent_tokens(cache: DistillCache, config: TrainConfig) -> tuple[int, ...]:
     """The `draft_vocab` most frequent answer tokens of the training split, sorted by id."""
     counts: Counter[int] = Counter()
-    for batch in iter_batches(
-        cache, batch_size=64, seq_len=10**6, seed=None, heldout_fraction=config.heldout_fraction
-    ):
-        counts.update(batch.input_ids[batch.loss_mask].tolist())
+    for index in range(cache.num_samples):
+        if not is_heldout(index, config.heldout_fraction):
+            counts.update(cache.answer_tokens(index).tolist())
     return tuple(sorted(token for token, _ in counts.most_common(config.draft_vocab)))
 
 
