@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_model
+from safetensors.torch import load_file
 
 import specmtp.data as data
 from specmtp.data import (
@@ -223,6 +224,23 @@ def test_iter_batches_shapes_and_heldout_split(built: Path) -> None:
     assert sum(is_heldout(i, 0.25) for i in range(4000)) in range(900, 1100)
 
 
+def assert_same_cache(directory: Path, reference: Path) -> None:
+    """Same manifest and tokens as `reference`. A rebuilt shard's float16 hidden states may
+    differ in the last bit (CPU kernels are not bitwise reproducible from run to run), so
+    shard digests are left out and hidden states compared with a tolerance."""
+    rebuilt = json.loads((directory / MANIFEST).read_text())
+    original = json.loads((reference / MANIFEST).read_text())
+    for entry in (*rebuilt["shards"], *original["shards"]):
+        entry.pop("sha256")
+    assert rebuilt == original
+    for entry in original["shards"]:
+        fresh, kept = load_file(directory / entry["file"]), load_file(reference / entry["file"])
+        assert torch.equal(fresh["input_ids"], kept["input_ids"])
+        torch.testing.assert_close(
+            fresh["hidden"].float(), kept["hidden"].float(), atol=2e-2, rtol=1e-2
+        )
+
+
 def test_resume_rebuilds_only_missing_shards(
     tiny: LoadedModel, built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -238,13 +256,14 @@ def test_resume_rebuilds_only_missing_shards(
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(data, "generate_answers", counting)
-    manifest = (built / MANIFEST).read_text()
     (directory / "shard-00002.safetensors").unlink()
     build_cache(tiny, PROMPTS, directory, config=CONFIG, sources=["inline"])
-    assert len(calls) == 1 and (directory / MANIFEST).read_text() == manifest
+    assert len(calls) == 1
+    assert_same_cache(directory, built)
     (directory / MANIFEST).unlink()  # killed before the manifest was written
     build_cache(tiny, PROMPTS, directory, config=CONFIG, sources=["inline"])
-    assert len(calls) == 1 and (directory / MANIFEST).read_text() == manifest
+    assert len(calls) == 1
+    assert_same_cache(directory, built)
     # With no manifest, a shard whose data was damaged fails its own digest and is rebuilt.
     (directory / MANIFEST).unlink()
     shard = directory / "shard-00001.safetensors"
@@ -252,7 +271,8 @@ def test_resume_rebuilds_only_missing_shards(
     raw[-10] ^= 0xFF
     shard.write_bytes(bytes(raw))
     build_cache(tiny, PROMPTS, directory, config=CONFIG, sources=["inline"])
-    assert len(calls) == 2 and (directory / MANIFEST).read_text() == manifest
+    assert len(calls) == 2
+    assert_same_cache(directory, built)
 
 
 def test_mismatched_cache_is_refused(default: LoadedModel, tiny: LoadedModel, built: Path) -> None:
