@@ -37,8 +37,12 @@ def tiny_model(
         "eos_token_id": None,
         "pad_token_id": 0,
     }
-    if arch == "llama":
-        config = LlamaConfig(
+    if arch in ("llama", "qwen2"):
+        config_class, model_class = {
+            "llama": (LlamaConfig, LlamaForCausalLM),
+            "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        }[arch]
+        config = config_class(
             hidden_size=32,
             num_hidden_layers=2,
             num_attention_heads=4,
@@ -47,18 +51,7 @@ def tiny_model(
             max_position_embeddings=context,
             **common,
         )
-        model = LlamaForCausalLM(config)
-    elif arch == "qwen2":
-        config = Qwen2Config(
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=context,
-            **common,
-        )
-        model = Qwen2ForCausalLM(config)
+        model = model_class(config)
     elif arch == "gpt2":
         config = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=context, **common)
         model = GPT2LMHeadModel(config)
