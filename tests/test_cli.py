@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import tiny_model
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from specmtp.cli import main
 from specmtp.models import load_model
@@ -38,20 +39,10 @@ def assert_one_line_error(code: int, err: str, *, contains: str = "") -> None:
     assert contains.lower() in lines[0].lower()
 
 
-def tiny_llama(vocab_size: int, *, context: int, eos: int) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=32,
-        max_position_embeddings=context,
-        bos_token_id=None,
-        eos_token_id=eos,
-        pad_token_id=None,
-    )
-    return LlamaForCausalLM(config).eval()
+def tiny_llama(vocab_size: int, *, context: int, eos: int) -> PreTrainedModel:
+    model = tiny_model("llama", seed=0, vocab_size=vocab_size, context=context)
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -10,11 +10,12 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
+from conftest import tiny_model
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import (
-    LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
@@ -49,18 +50,8 @@ def default_tokenizer(default_model: LoadedModel) -> PreTrainedTokenizerBase:
     return default_model.tokenizer
 
 
-def _tiny_llama(vocab_size: int) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(config).eval()
+def _tiny_llama(vocab_size: int) -> PreTrainedModel:
+    return tiny_model("llama", seed=0, vocab_size=vocab_size, context=512)
 
 
 @pytest.fixture(scope="session")
