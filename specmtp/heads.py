@@ -142,6 +142,13 @@ class _Projection(nn.Module):
         if ids is not None:
             weight = weight[ids.to(weight.device)]  # [V', H]
         self.register_buffer("draft_ids", ids, persistent=False)
+        # target id -> row of the draft logits, -1 outside draft_vocab; built once, since
+        # training maps every label through it
+        index = None
+        if ids is not None:
+            index = torch.full((config.vocab_size,), -1, dtype=torch.long)
+            index[ids] = torch.arange(len(ids))
+        self.register_buffer("draft_index", index, persistent=False)
         self.vocab_size = config.vocab_size
         if config.share_lm_head:
             self.register_buffer("weight", weight, persistent=False)  # frozen, not saved
@@ -173,12 +180,8 @@ class _HeadsBase(nn.Module):
     def to_draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Target token ids (any shape) -> indices into the heads' logits; -1 where the
         token is outside draft_vocab (a label the heads cannot predict)."""
-        draft_ids = self.projection.draft_ids
-        if draft_ids is None:
-            return ids
-        index = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
-        index[draft_ids.to(ids.device)] = torch.arange(len(draft_ids), device=ids.device)
-        return index[ids]
+        index = self.projection.draft_index
+        return ids if index is None else index[ids]
 
     def to_full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [..., V'] -> [..., V], -inf outside draft_vocab (softmax stays a

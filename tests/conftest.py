@@ -93,3 +93,17 @@ def restore_torch_threads() -> Iterator[None]:
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+def hf_greedy(
+    model: PreTrainedModel, prompt: list[int], new_tokens: int, *, eos: list[int] | None = None
+) -> list[int]:
+    """The reference: Hugging Face's own greedy decoding. Without `eos` it runs the whole
+    budget (tiny random models have no EOS); with it, it stops as our decoder does."""
+    ids = torch.tensor([prompt])
+    budget = {"eos_token_id": eos} if eos else {"min_new_tokens": new_tokens}
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+        **budget,
+    )  # fmt: skip
+    return out[0, len(prompt) :].tolist()

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, perturbed_copy, tiny_model
+from conftest import TINY_VOCAB, hf_greedy, perturbed_copy, tiny_model
 from lossless_models import decoder_counts, peaked_target_and_draft, target_joint
 from lossless_stats import fit
-from test_greedy import hf_greedy
 from transformers import PreTrainedModel
 
 from specmtp.cache import CachedModel

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import tiny_model
+from conftest import hf_greedy, tiny_model
 
 from specmtp.api import SpecGenerator, eos_token_ids
 from specmtp.config import GenerationConfig
@@ -37,13 +36,7 @@ def test_default_model_greedy_equals_hf_generate(default: LoadedModel, kind: str
     generator = SpecGenerator(default, draft=make_drafter(kind, default))
     for prompt in PROMPTS:
         ids = generator.encode(prompt, chat=True)
-        expected = default.model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=eos_token_ids(default),
-        )[0, len(ids) :].tolist()
+        expected = hf_greedy(default.model, ids, NEW_TOKENS, eos=eos_token_ids(default))
         result = generator.decoder.generate(
             ids, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=4)
         )

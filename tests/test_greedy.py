@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, perturbed_copy, tiny_model
+from conftest import TINY_VOCAB, hf_greedy, perturbed_copy, tiny_model
 from transformers import PreTrainedModel
 
 from specmtp.config import GenerationConfig
@@ -13,18 +13,6 @@ from specmtp.drafters import Drafter, DraftModelDrafter, NgramDrafter
 
 ARCHS = ["llama", "qwen2", "gpt2"]
 NEW_TOKENS = 48
-
-
-def hf_greedy(model: PreTrainedModel, prompt: list[int], new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def make_drafter(kind: str, target: PreTrainedModel, arch: str) -> Drafter:

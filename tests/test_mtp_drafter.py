@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, tiny_model
+from conftest import TINY_VOCAB, hf_greedy, tiny_model
 from test_decode_tree import TREE
-from test_greedy import hf_greedy
 from transformers import PreTrainedModel
 
 from specmtp.config import GenerationConfig, SamplingConfig

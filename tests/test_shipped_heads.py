@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import tiny_model
+from conftest import hf_greedy, tiny_model
 
 from specmtp.api import SpecGenerator, eos_token_ids
 from specmtp.config import GenerationConfig
@@ -23,14 +22,7 @@ def default() -> LoadedModel:
 @pytest.fixture(scope="module")
 def expected(default: LoadedModel) -> list[int]:
     ids = SpecGenerator(default).encode(PROMPT, chat=True)
-    out = default.model.generate(
-        torch.tensor([ids]),
-        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        eos_token_id=eos_token_ids(default),
-    )
-    return out[0, len(ids) :].tolist()
+    return hf_greedy(default.model, ids, NEW_TOKENS, eos=eos_token_ids(default))
 
 
 @pytest.mark.parametrize("spec", ["mtp", "mtp-tree"])
