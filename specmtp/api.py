@@ -15,6 +15,7 @@ from specmtp.drafters import Drafter, DraftModelDrafter, MTPDrafter, NgramDrafte
 from specmtp.errors import SpecMTPError
 from specmtp.heads import load_heads, shipped_heads_dir
 from specmtp.models import LoadedModel, check_tokenizers_agree, load_model, usable_vocab_size
+from specmtp.profile import Profile
 from specmtp.stats import GenerationStats
 from specmtp.tree import TREE_FILE, TokenTree
 
@@ -99,9 +100,11 @@ class SpecGenerator:
         *,
         draft: str | Drafter | None = None,
         dtype: torch.dtype = torch.float32,
+        profile: Profile | None = None,
     ) -> None:
         self.target = target if isinstance(target, LoadedModel) else load_model(target, dtype=dtype)
         drafter, vocab = build_drafter(draft, self.target, dtype=dtype)
+        self.profile = profile
         tokenizer = self.target.tokenizer
         self.decoder = SpecDecoder(
             self.target.model,
@@ -110,6 +113,8 @@ class SpecGenerator:
             context_length=self.target.context_length,
             eos_token_ids=eos_token_ids(self.target),
             detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+            cost_model=None if profile is None else profile.cost_model,
+            prior_alphas=() if profile is None else profile.alphas,
         )
         self.last_stats: GenerationStats | None = None
         self.last_tokens: list[int] = []
@@ -139,7 +144,8 @@ class SpecGenerator:
         **settings: Any,
     ) -> Completion:
         """Generate a completion. `settings` override fields of `config` (or the defaults):
-        max_new_tokens, gamma, seed, stop_strings, temperature, top_k, top_p."""
+        max_new_tokens, gamma, schedule, seed, stop_strings, temperature, top_k, top_p,
+        max_memory_bytes."""
         for _ in self.stream(prompt, chat=chat, config=config, **settings):
             pass
         assert self.last_stats is not None
@@ -174,6 +180,28 @@ class SpecGenerator:
             shown = text
 
 
+AUTO_MAX_GAMMA = 8  # the adaptive schedule's largest γ when no profile gives one
+
+
+def gamma_settings(gamma: str | int, profile: Profile | None = None) -> dict[str, Any]:
+    """GenerationConfig settings for a draft-length choice: N (fixed), `auto` (adaptive,
+    up to the profile's largest γ), `best` (the profile's fastest fixed γ) or `hf` (Hugging
+    Face's +2 / -1 heuristic, starting at the default γ)."""
+    text = str(gamma)
+    if text == "auto":
+        top = profile.max_gamma if profile is not None else AUTO_MAX_GAMMA
+        return {"schedule": "adaptive", "gamma": top}
+    if text == "hf":
+        return {"schedule": "heuristic"}
+    if text == "best":
+        if profile is None:
+            raise SpecMTPError("gamma 'best' needs a tuning profile: run `specmtp tune` first")
+        return {"schedule": "fixed", "gamma": profile.best_gamma}
+    if not text.isdigit():
+        raise SpecMTPError(f"gamma must be a number, auto, best or hf; got {text!r}")
+    return {"schedule": "fixed", "gamma": int(text)}
+
+
 def make_config(config: GenerationConfig | None = None, **settings: Any) -> GenerationConfig:
     """A GenerationConfig from an optional base plus flat overrides (sampling included)."""
     config = config or GenerationConfig()
@@ -201,4 +229,11 @@ def generate(
     return SpecGenerator(target, draft=draft).generate(prompt, chat=chat, **settings)
 
 
-__all__ = ["Completion", "SamplingConfig", "SpecGenerator", "build_drafter", "generate"]
+__all__ = [
+    "Completion",
+    "SamplingConfig",
+    "SpecGenerator",
+    "build_drafter",
+    "gamma_settings",
+    "generate",
+]

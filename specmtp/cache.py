@@ -116,3 +116,28 @@ class CachedModel:
             for layer in self.cache.layers
             if layer.is_initialized
         )
+
+
+def kv_bytes_per_token(model: PreTrainedModel) -> int:
+    """Bytes of keys and values one position adds to the cache, from the model's config.
+
+    Read before any allocation, so a memory budget can be checked before it is exceeded.
+    """
+    config = model.config.get_text_config()
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    element = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * layers * kv_heads * head_dim * element
+
+
+def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of distinct storages: tied or shared weights counted once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())

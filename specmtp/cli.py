@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import warnings
 from collections.abc import Sequence
@@ -20,16 +21,19 @@ from typing import Any
 import torch
 from transformers.utils import logging as hf_logging
 
-from specmtp.api import SpecGenerator, make_config
+from specmtp.api import SpecGenerator, gamma_settings, make_config
 from specmtp.bench import BenchConfig, run_bench
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.errors import SpecMTPError
+from specmtp.profile import Profile, find_profile
 from specmtp.train import TrainConfig, train_mtp
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 # Flag destinations that are GenerationConfig settings (see make_config); None = not given.
-_SETTINGS = ("max_new_tokens", "gamma", "seed", "temperature", "top_k", "top_p", "stop_strings")
+# `gamma` is resolved apart, by gamma_settings: it may name a schedule.
+_SETTINGS = ("max_new_tokens", "seed", "temperature", "top_k", "top_p", "stop_strings")
+_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def _add_common_flags(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +52,18 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     gen, sampling = GenerationConfig(), SamplingConfig()
-    parser.add_argument("--gamma", type=int, help=f"draft tokens per round (default {gen.gamma})")
+    parser.add_argument(
+        "--gamma",
+        help=f"draft tokens per round: N (default {gen.gamma}), auto (adaptive, from the "
+        "tuning profile if any), best (the profile's fastest fixed γ) or hf (Hugging Face's "
+        "+2/-1 schedule)",
+    )
+    parser.add_argument(
+        "--max-memory",
+        metavar="SIZE",
+        help="budget for weights plus KV caches, e.g. 800M or 2G: γ shrinks to fit, and a "
+        "request that cannot fit even without drafts is refused before it starts",
+    )
     parser.add_argument(
         "--max-new-tokens", type=int, help=f"most new tokens (default {gen.max_new_tokens})"
     )
@@ -91,6 +106,9 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         dest="stop_strings",
         metavar="STRING",
         help="stop after this string (repeatable)",
+    )
+    gen.add_argument(
+        "--profile", type=Path, help="tuning profile from `specmtp tune` (default: the pair's own)"
     )
     gen.add_argument("--stream", action="store_true", help="print text as it is accepted")
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
@@ -163,15 +181,43 @@ def _add_train_mtp_command(commands: argparse._SubParsersAction) -> None:
     train.set_defaults(run=cmd_train_mtp)
 
 
-def generation_settings(args: argparse.Namespace) -> dict[str, Any]:
+def parse_size(text: str) -> int:
+    """Bytes from '2G', '800M', '1.5GiB' or a plain number."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise SpecMTPError(f"bad size {text!r}: use bytes or a number with K, M, G or T")
+    return int(float(match[1]) * _SIZE_UNITS[match[2].upper()])
+
+
+def generation_settings(args: argparse.Namespace, profile: Profile | None = None) -> dict[str, Any]:
     """The GenerationConfig overrides the user gave, by field name."""
     given = {key: getattr(args, key, None) for key in _SETTINGS}
-    return {key: value for key, value in given.items() if value is not None}
+    settings = {key: value for key, value in given.items() if value is not None}
+    if getattr(args, "gamma", None) is not None:
+        settings.update(gamma_settings(args.gamma, profile))
+    if getattr(args, "max_memory", None) is not None:
+        settings["max_memory_bytes"] = parse_size(args.max_memory)
+    return settings
+
+
+def _profile_for(target: str, draft: str | None, gamma: str | None, path: Path | None):
+    """The tuning profile that `--gamma auto/best` starts from, if any."""
+    if draft is None or (gamma not in ("auto", "best") and path is None):
+        return None
+    profile = find_profile(target, draft, path)
+    if profile is None and gamma == "auto":
+        print(
+            f"specmtp: no tuning profile for {target} with {draft}; the adaptive schedule "
+            "measures the target's costs now (run `specmtp tune` for a better start)",
+            file=sys.stderr,
+        )
+    return profile
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    config = make_config(**generation_settings(args))  # bad settings fail before any load
-    generator = SpecGenerator(args.target, draft=args.draft)
+    profile = _profile_for(args.target, args.draft, args.gamma, args.profile)
+    config = make_config(**generation_settings(args, profile))  # fails before any model load
+    generator = SpecGenerator(args.target, draft=args.draft, profile=profile)
     if args.stream:
         for delta in generator.stream(args.prompt, chat=args.chat, config=config):
             print(delta, end="", flush=True)

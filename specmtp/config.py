@@ -33,9 +33,18 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+SCHEDULES = ("fixed", "heuristic", "adaptive")
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
-    """One generation request: budget, draft length, stops, sampling and seed."""
+    """One generation request: budget, draft length, stops, sampling and seed.
+
+    `gamma` is the draft length of a fixed schedule, the starting length of the heuristic
+    one (Hugging Face's +2 / -1), and the largest length the adaptive one may choose.
+    `max_memory_bytes` bounds the weights plus KV caches of target and drafter (None: no
+    bound); see SpecDecoder.
+    """
 
     max_new_tokens: int = 128
     gamma: int = 4
@@ -43,8 +52,16 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     stop_on_eos: bool = True
     seed: int = 0
+    schedule: str = "fixed"
+    max_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise SpecMTPError(
+                f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
+            )
+        if self.max_memory_bytes is not None and self.max_memory_bytes < 1:
+            raise SpecMTPError(f"max-memory must be positive, got {self.max_memory_bytes}")
         if self.max_new_tokens < 1:
             raise SpecMTPError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.gamma < 1:

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from specmtp.cache import CachedModel
+from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors, tensor_bytes
 from specmtp.config import GenerationConfig
+from specmtp.costmodel import CostModel, measure_verify_costs
 from specmtp.drafters import Drafter, Outcome, Proposal, empty_proposal
 from specmtp.errors import SpecMTPError
 from specmtp.sampling import logits_to_probs
+from specmtp.schedule import AdaptiveGamma, FixedGamma, HeuristicGamma, RoundRecord, Schedule
 from specmtp.stats import GenerationStats
 from specmtp.tree import (
     TreeVerdict,
@@ -54,6 +56,8 @@ class SpecDecoder:
         context_length: int,
         eos_token_ids: Sequence[int] = (),
         detokenize: Detokenize | None = None,
+        cost_model: CostModel | None = None,
+        prior_alphas: Sequence[float] = (),
     ) -> None:
         self.target = CachedModel(
             target,
@@ -65,6 +69,10 @@ class SpecDecoder:
         self.context_length = context_length
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
+        # For the adaptive schedule: measured costs (from `specmtp tune`, or measured on
+        # first use) and prior acceptances per draft position.
+        self._cost_model = cost_model
+        self.prior_alphas = tuple(prior_alphas)
 
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> GenerationResult:
         stats = GenerationStats(gamma=config.gamma)
@@ -76,23 +84,25 @@ class SpecDecoder:
     ) -> Iterator[list[int]]:
         """Yield the tokens committed by each round, with every stop already applied."""
         self._check_prompt(prompt_ids, config)
+        max_positions = self._max_positions(len(prompt_ids), config)
+        schedule = self._schedule(prompt_ids, config)
         start = time.perf_counter()
         device = self.target.device
         generator = torch.Generator(device=device).manual_seed(config.seed)
         context = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # [1, n]
-        self.target.reset()
-        if self.drafter is not None:
-            self.drafter.reset()
-        stats.prompt_tokens = context.shape[1]
-        if context.shape[1] > 1:
-            self.target.forward(context[:, :-1], last_only=True)  # prefill
+        self._prefill(context, stats)
         stats.prefill_s = time.perf_counter() - start
         generated: list[int] = []
         while not stats.finish_reason:
-            k = self._draft_budget(context.shape[1], len(generated), config)
-            proposal = self._draft(context, k, config, generator, stats)
-            verdict = self._verify(context, proposal, config, generator, stats)
-            outcome = self._commit(context, proposal, verdict, stats)
+            limit = self._draft_limit(context.shape[1], len(generated), config, max_positions)
+            k = schedule.next_gamma(limit) if limit > 0 else 0
+            proposal, draft_s = self._draft(context, k, config, generator, max_positions)
+            verdict, verify_s = self._verify(context, proposal, config, generator, stats)
+            outcome = self._commit(context, proposal, verdict, k, stats)
+            record = RoundRecord(
+                k, proposal.depth, outcome.num_accepted, outcome.verified, draft_s, verify_s
+            )
+            schedule.update(record)
             if self.drafter is not None:
                 self.drafter.observe(outcome)
             new = outcome.context[0, context.shape[1] :].tolist()
@@ -103,7 +113,36 @@ class SpecDecoder:
                 stats.finish_reason = "context"
             stats.new_tokens = len(generated)
             stats.total_s = time.perf_counter() - start
+            stats.draft_s += draft_s
+            stats.verify_s += verify_s
+            stats.first_token_s = stats.first_token_s or stats.total_s
             yield block
+
+    def _prefill(self, context: torch.Tensor, stats: GenerationStats) -> None:
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+        stats.prompt_tokens = context.shape[1]
+        if context.shape[1] > 1:
+            self.target.forward(context[:, :-1], last_only=True)
+
+    def _schedule(self, prompt_ids: Sequence[int], config: GenerationConfig) -> Schedule:
+        if config.schedule == "heuristic":
+            return HeuristicGamma(config.gamma)
+        if config.schedule == "adaptive" and self.drafter is not None:
+            cost = self.cost_model(prompt_ids, config.gamma)
+            return AdaptiveGamma(cost, max_gamma=config.gamma, prior=self.prior_alphas)
+        return FixedGamma(config.gamma)
+
+    def cost_model(self, prompt_ids: Sequence[int], gamma: int) -> CostModel:
+        """The cost model given at construction, or one measured now (T(n) only; the
+        adaptive schedule then learns the draft cost while generating)."""
+        given = self._cost_model
+        if given is None or len(given.verify_s) < gamma + 1:
+            ids = list(prompt_ids) * 2 if len(prompt_ids) < 2 else prompt_ids
+            costs = measure_verify_costs(self.target, ids, max_tokens=gamma + 1, repeats=3)
+            self._cost_model = given = CostModel(costs)
+        return given
 
     def _check_prompt(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
         if len(prompt_ids) == 0:
@@ -116,13 +155,39 @@ class SpecDecoder:
         if config.stop_strings and self.detokenize is None:
             raise SpecMTPError("stop strings need a tokenizer")
 
-    def _draft_budget(self, n: int, generated: int, config: GenerationConfig) -> int:
-        """Drafts worth proposing: none past max_new_tokens or the model's context."""
+    def _draft_limit(
+        self, n: int, generated: int, config: GenerationConfig, max_positions: int | None
+    ) -> int:
+        """Most drafts worth proposing: none past max_new_tokens, the model's context or
+        the memory budget (a verify pass over k drafts fills the cache to n + k)."""
         if self.drafter is None:
             return 0
-        return max(
-            0, min(config.gamma, config.max_new_tokens - generated - 1, self.context_length - n)
-        )
+        limit = min(config.max_new_tokens - generated - 1, self.context_length - n)
+        return limit if max_positions is None else min(limit, max_positions - n)
+
+    def _max_positions(self, prompt_tokens: int, config: GenerationConfig) -> int | None:
+        """Cache positions the memory budget allows; an error now if plain decoding of the
+        whole request would not fit, rather than running out of memory later."""
+        budget = config.max_memory_bytes
+        if budget is None:
+            return None
+        tensors = module_tensors(self.target.model)
+        per_token = kv_bytes_per_token(self.target.model)
+        if self.drafter is not None:
+            tensors += self.drafter.weight_tensors()
+            per_token += self.drafter.kv_bytes_per_token()
+        weights = tensor_bytes(tensors)
+        positions = (budget - weights) // per_token
+        needed = prompt_tokens + config.max_new_tokens
+        if positions < needed:
+            mib = 2**20
+            raise SpecMTPError(
+                f"max-memory {budget / mib:.1f} MiB is too small: weights take "
+                f"{weights / mib:.1f} MiB and the KV cache of {prompt_tokens} prompt + "
+                f"{config.max_new_tokens} new tokens {needed * per_token / mib:.1f} MiB "
+                f"(at most {max(0, positions - prompt_tokens)} new tokens fit)"
+            )
+        return positions
 
     def _draft(
         self,
@@ -130,14 +195,20 @@ class SpecDecoder:
         k: int,
         config: GenerationConfig,
         generator: torch.Generator,
-        stats: GenerationStats,
-    ) -> Proposal:
+        max_positions: int | None,
+    ) -> tuple[Proposal, float]:
         if k == 0:
-            return empty_proposal(context.shape[0], context.device)
+            return empty_proposal(context.shape[0], context.device), 0.0
         start = time.perf_counter()
         proposal = self.drafter.propose(context, k, config.sampling, generator)
-        stats.draft_s += time.perf_counter() - start
-        return proposal
+        seconds = time.perf_counter() - start
+        if (
+            max_positions is not None
+            and context.shape[1] + proposal.tokens.shape[1] > max_positions
+        ):
+            # A tree wider than the memory left: verify no drafts this round.
+            proposal = empty_proposal(context.shape[0], context.device)
+        return proposal, seconds
 
     def _verify(
         self,
@@ -146,7 +217,7 @@ class SpecDecoder:
         config: GenerationConfig,
         generator: torch.Generator,
         stats: GenerationStats,
-    ) -> Verdict | TreeVerdict:
+    ) -> tuple[Verdict | TreeVerdict, float]:
         """One target forward over [last committed, *drafts], then the acceptance rule."""
         start = time.perf_counter()
         root = context[:, -1:]  # [1, 1]
@@ -155,8 +226,11 @@ class SpecDecoder:
         else:
             logits = tree_forward(self.target, proposal.tree, root, proposal.tokens)  # [1, N+1, V]
         verdict = self._accept(proposal, logits, config, generator)
-        stats.verify_s += time.perf_counter() - start
-        return verdict
+        seconds = time.perf_counter() - start
+        # The cache's high-water mark: before the rollback of rejected drafts.
+        drafter_kv = 0 if self.drafter is None else self.drafter.kv_bytes()
+        stats.record_memory(self.target.kv_bytes() + drafter_kv)
+        return verdict, seconds
 
     @staticmethod
     def _accept(
@@ -180,6 +254,7 @@ class SpecDecoder:
         context: torch.Tensor,
         proposal: Proposal,
         verdict: Verdict | TreeVerdict,
+        requested: int,
         stats: GenerationStats,
     ) -> Outcome:
         """Keep the accepted drafts and the next token; roll the target cache back to match.
@@ -198,11 +273,13 @@ class SpecDecoder:
             commit_tree_path(self.target, past, path)
             accepted = proposal.tokens[:, path]
         hidden = self.target.last_hidden
-        stats.record_round(proposal.depth, len(kept) - 1, proposal.tokens.shape[1] + 1)
+        verified = proposal.tokens.shape[1] + 1
+        stats.record_round(proposal.depth, len(kept) - 1, verified, requested)
         return Outcome(
             context=torch.cat([context, accepted, verdict.next_tokens[:, None]], 1),
             num_accepted=len(kept) - 1,
             target_hidden=None if hidden is None else hidden[:, kept],
+            verified=verified,
         )
 
     def _apply_stops(

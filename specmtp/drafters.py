@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from specmtp.cache import CachedModel
+from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors
 from specmtp.config import SamplingConfig
 from specmtp.heads import Heads, SequentialMTP
 from specmtp.sampling import choose, logits_to_probs
@@ -48,6 +48,7 @@ class Outcome:
     # kept this round (the previous last token, then the accepted drafts); None unless the
     # drafter sets needs_target_hidden.
     target_hidden: torch.Tensor | None
+    verified: int = 0  # tokens in the verify forward: k + 1, or a tree's nodes + 1
 
 
 def empty_proposal(batch: int, device: torch.device) -> Proposal:
@@ -72,8 +73,29 @@ class Drafter(Protocol):
     def observe(self, outcome: Outcome) -> None:
         """The target verified the proposal and committed `outcome.context`."""
 
+    # Memory, for budgets and reports: weights (tensors shared with the target are counted
+    # once by the caller), and the KV cache now and per position.
+    def weight_tensors(self) -> list[torch.Tensor]: ...
 
-class NgramDrafter:
+    def kv_bytes(self) -> int: ...
+
+    def kv_bytes_per_token(self) -> int: ...
+
+
+class NoMemory:
+    """For drafters that hold no weights or cache of their own."""
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def kv_bytes(self) -> int:
+        return 0
+
+    def kv_bytes_per_token(self) -> int:
+        return 0
+
+
+class NgramDrafter(NoMemory):
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens
     (n from max_ngram down to min_ngram) and propose the tokens that followed it."""
 
@@ -157,6 +179,15 @@ class DraftModelDrafter:
     def observe(self, outcome: Outcome) -> None:
         self._rollback_to_prefix_of(outcome.context)
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return module_tensors(self.runner.model)
+
+    def kv_bytes(self) -> int:
+        return self.runner.kv_bytes()
+
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.runner.model)
+
 
 class MTPDrafter:
     """Self-speculation: MTP heads read the target's own last hidden state and draft the
@@ -181,6 +212,15 @@ class MTPDrafter:
 
     def reset(self) -> None:
         self.hidden = None
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return module_tensors(self.heads)
+
+    def kv_bytes(self) -> int:
+        return 0  # heads draft from the target's hidden state: no cache of their own
+
+    def kv_bytes_per_token(self) -> int:
+        return 0
 
     def observe(self, outcome: Outcome) -> None:
         assert outcome.target_hidden is not None  # the loop keeps it: needs_target_hidden

@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import resource
 from dataclasses import dataclass, field
 from typing import Any
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_bytes() -> int:
+    """The process's resident memory now (Linux /proc), else its peak so far (getrusage)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_BYTES
+    except (OSError, IndexError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 @dataclass
@@ -25,6 +38,13 @@ class GenerationStats:
     accept_histogram: list[int] = field(default_factory=list)  # [gamma+1] rounds by accepted
     position_proposed: list[int] = field(default_factory=list)  # [gamma] rounds drafting pos i
     position_accepted: list[int] = field(default_factory=list)  # [gamma] rounds accepting pos i
+    # [gamma] rounds drafting pos i with every earlier draft accepted: α_i's denominator
+    position_reached: list[int] = field(default_factory=list)
+    requested_gammas: dict[int, int] = field(default_factory=dict)  # γ asked -> rounds
+    verify_sizes: dict[int, int] = field(default_factory=dict)  # tokens verified -> rounds
+    peak_kv_bytes: int = 0  # target and drafter caches together, sampled after each verify
+    peak_rss_bytes: int = 0  # the process's resident memory, sampled after each verify
+    first_token_s: float = 0.0  # time to the first committed new token (TTFT)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -35,16 +55,20 @@ class GenerationStats:
         self.accept_histogram = [0] * (self.gamma + 1)
         self.position_proposed = [0] * self.gamma
         self.position_accepted = [0] * self.gamma
+        self.position_reached = [0] * self.gamma
 
-    def record_round(self, drafted: int, accepted: int, verified: int) -> None:
+    def record_round(self, drafted: int, accepted: int, verified: int, requested: int) -> None:
         """One verify pass over `verified` tokens that checked `drafted` draft positions (a
-        tree's depth) and kept `accepted` of them."""
+        tree's depth) of the `requested` γ and kept `accepted` of them."""
         if drafted > self.gamma:  # a tree deeper than gamma
             grow = drafted - self.gamma
             self.gamma = drafted
             self.accept_histogram += [0] * grow
             self.position_proposed += [0] * grow
             self.position_accepted += [0] * grow
+            self.position_reached += [0] * grow
+        self.requested_gammas[requested] = self.requested_gammas.get(requested, 0) + 1
+        self.verify_sizes[verified] = self.verify_sizes.get(verified, 0) + 1
         self.rounds += 1
         self.drafted_tokens += drafted
         self.verified_tokens += verified
@@ -53,6 +77,11 @@ class GenerationStats:
         for i in range(drafted):
             self.position_proposed[i] += 1
             self.position_accepted[i] += i < accepted
+            self.position_reached[i] += i <= accepted
+
+    def record_memory(self, kv_bytes: int) -> None:
+        self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes)
+        self.peak_rss_bytes = max(self.peak_rss_bytes, resident_bytes())
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -65,6 +94,21 @@ class GenerationStats:
             a / p if p else None
             for a, p in zip(self.position_accepted, self.position_proposed, strict=True)
         ]
+
+    @property
+    def conditional_acceptance(self) -> list[float | None]:
+        """α_i: P(draft i accepted | drafts before it accepted), None where never reached."""
+        return [
+            a / r if r else None
+            for a, r in zip(self.position_accepted, self.position_reached, strict=True)
+        ]
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first."""
+        if self.new_tokens < 2:
+            return 0.0
+        return (self.total_s - self.first_token_s) / (self.new_tokens - 1)
 
     @property
     def other_s(self) -> float:
@@ -88,6 +132,15 @@ class GenerationStats:
             "acceptance_per_position": [
                 None if a is None else round(a, 4) for a in self.acceptance_per_position
             ],
+            "conditional_acceptance": [
+                None if a is None else round(a, 4) for a in self.conditional_acceptance
+            ],
+            "requested_gammas": dict(sorted(self.requested_gammas.items())),
+            "verify_sizes": dict(sorted(self.verify_sizes.items())),
+            "peak_kv_bytes": self.peak_kv_bytes,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "ttft_s": round(self.first_token_s, 4),
+            "tpot_s": round(self.tpot_s, 5),
             "prefill_s": round(self.prefill_s, 4),
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
@@ -108,6 +161,9 @@ class GenerationStats:
                 f"mean accepted tokens τ {self.mean_accepted_tokens:.2f}",
                 f"accepted drafts per round (0..{self.gamma}): {self.accept_histogram}",
                 f"acceptance by draft position: {rates}",
+                f"time to first token {self.first_token_s * 1000:.0f} ms, then "
+                f"{self.tpot_s * 1000:.1f} ms per token; peak KV cache "
+                f"{self.peak_kv_bytes / 2**20:.1f} MiB",
                 f"time: prefill {self.prefill_s:.2f} s, draft {self.draft_s:.2f} s, "
                 f"verify {self.verify_s:.2f} s, other {self.other_s:.2f} s",
             ]

@@ -73,7 +73,7 @@ def test_bench_sampling_repeats(capfd: pytest.CaptureFixture[str], questions: Pa
 def _run(tokens: list[int], accepted_per_round: list[int], latency: float) -> PromptRun:
     stats = GenerationStats(gamma=2)
     for accepted in accepted_per_round:
-        stats.record_round(2, accepted, verified=3)
+        stats.record_round(2, accepted, verified=3, requested=2)
     stats.new_tokens = len(tokens)
     return PromptRun(0, tokens, stats, [latency, latency * 3, latency])
 

@@ -12,14 +12,14 @@ from transformers import PreTrainedModel
 from specmtp.cache import CachedModel
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import DraftModelDrafter, Outcome, Proposal, empty_proposal
+from specmtp.drafters import DraftModelDrafter, NoMemory, Outcome, Proposal, empty_proposal
 from specmtp.tree import TokenTree, build_tree_tokens
 
 TREE = TokenTree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)))
 PROMPT = [5, 17, 3, 88, 41, 5, 17, 3, 60, 2]
 
 
-class TopKTreeDrafter:
+class TopKTreeDrafter(NoMemory):
     """Medusa-shaped candidates from a draft model: along the draft's greedy chain, the
     top-K tokens at each depth. Enough to exercise tree rounds with partial acceptance."""
 
@@ -73,7 +73,7 @@ def test_tree_rounds_sample_deterministically_per_seed() -> None:
     assert run(3) == run(3) != run(4)
 
 
-class HiddenSpy:
+class HiddenSpy(NoMemory):
     """Records what the loop hands a drafter that asks for the target's hidden states."""
 
     def __init__(self, inner: TopKTreeDrafter | None = None) -> None:

@@ -1,0 +1,104 @@
+"""Tuning profiles: what `specmtp tune` measured for one target, drafter and machine.
+
+`--gamma auto` (the adaptive schedule) starts from a profile's cost model and acceptance
+rates, and `--gamma best` uses its fastest fixed γ. Profiles live, by default, in
+$SPECMTP_CACHE/profiles (or ~/.cache/specmtp/profiles), one JSON file per pair.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specmtp.costmodel import CostModel
+from specmtp.errors import SpecMTPError
+
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What tune measured for one target, drafter and machine."""
+
+    target: str
+    draft: str
+    cost_model: CostModel
+    alphas: tuple[float, ...]  # conditional acceptance per draft position
+    best_gamma: int  # the fastest fixed γ measured
+    sweep: tuple[dict[str, Any], ...] = ()  # per γ: predicted and measured speedup, τ
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_gamma(self) -> int:
+        return len(self.alphas)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": PROFILE_VERSION,
+            "target": self.target,
+            "draft": self.draft,
+            "best_gamma": self.best_gamma,
+            "max_gamma": self.max_gamma,
+            "alphas": [round(a, 4) for a in self.alphas],
+            "cost_model": self.cost_model.to_dict(),
+            "sweep": list(self.sweep),
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "profile") -> Profile:
+        try:
+            if data.get("version") != PROFILE_VERSION:
+                raise ValueError(f"version {data.get('version')!r}, expected {PROFILE_VERSION}")
+            return cls(
+                str(data["target"]),
+                str(data["draft"]),
+                CostModel.from_dict(data["cost_model"]),
+                tuple(float(a) for a in data["alphas"]),
+                int(data["best_gamma"]),
+                tuple(data.get("sweep", ())),
+                dict(data.get("meta", {})),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise SpecMTPError(f"{where}: not a specmtp tuning profile ({e})") from None
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(path.name + ".part")
+        part.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        part.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> Profile:
+        try:
+            data = json.loads(path.read_text())
+        except OSError as e:
+            raise SpecMTPError(f"cannot read profile {path}: {e.strerror or e}") from None
+        except json.JSONDecodeError as e:
+            raise SpecMTPError(f"profile {path} is not JSON: {e.msg}") from None
+        return cls.from_dict(data, str(path))
+
+
+def default_profile_path(target: str, draft: str) -> Path:
+    """Where tune writes, and `--gamma auto` looks, by default: one file per pair."""
+    root = Path(os.environ.get("SPECMTP_CACHE") or "~/.cache/specmtp").expanduser()
+    slug = "__".join(re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") for s in (target, draft))
+    return root / "profiles" / f"{slug}.json"
+
+
+def find_profile(target: str, draft: str, path: Path | None = None) -> Profile | None:
+    """The profile at `path` (which must exist), else the default one for the pair if any."""
+    if path is not None:
+        profile = Profile.load(path)
+        if (profile.target, profile.draft) != (target, draft):
+            raise SpecMTPError(
+                f"profile {path} was tuned for target {profile.target!r} with draft "
+                f"{profile.draft!r}, not {target!r} with {draft!r}"
+            )
+        return profile
+    default = default_profile_path(target, draft)
+    return Profile.load(default) if default.exists() else None

@@ -1,0 +1,181 @@
+"""Draft-length schedules: how many tokens to draft in each round.
+
+A schedule is asked for each round's γ and told what the round did. Three kinds:
+- fixed: the same γ every round.
+- heuristic: Hugging Face's assisted-generation schedule: +2 after a round that accepted
+  every draft, -1 (not below 1) otherwise.
+- adaptive: per sequence, acceptance estimates α_i updated as tokens are accepted, and the γ
+  that maximises expected tokens per second under a measured cost model (costmodel.py).
+  It includes a never-slower guard: when no γ >= 1 is predicted to beat plain decoding, it
+  drafts nothing, and probes with γ = 1 now and then (at growing intervals) in case the
+  text has become predictable again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from specmtp.costmodel import CostModel, expected_tokens
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """What one round did, as the schedule sees it."""
+
+    requested: int  # γ asked of the drafter
+    drafted: int  # draft positions it proposed (a tree's depth); may be < requested
+    accepted: int
+    verified: int  # tokens in the verify forward (k + 1, or a tree's nodes + 1)
+    draft_s: float
+    verify_s: float
+
+
+class Schedule(Protocol):
+    def next_gamma(self, limit: int) -> int:
+        """γ for the coming round, at most `limit` (the tokens or memory left)."""
+
+    def update(self, record: RoundRecord) -> None: ...
+
+
+class FixedGamma:
+    def __init__(self, gamma: int) -> None:
+        self.gamma = gamma
+
+    def next_gamma(self, limit: int) -> int:
+        return min(self.gamma, limit)
+
+    def update(self, record: RoundRecord) -> None:
+        pass
+
+
+class HeuristicGamma:
+    """Hugging Face's `num_assistant_tokens_schedule="heuristic"`, run by our engine."""
+
+    def __init__(self, start: int) -> None:
+        self.gamma = start
+
+    def next_gamma(self, limit: int) -> int:
+        return min(self.gamma, limit)
+
+    def update(self, record: RoundRecord) -> None:
+        if record.requested == 0:
+            return
+        all_accepted = record.accepted == record.requested
+        self.gamma = self.gamma + 2 if all_accepted else max(1, self.gamma - 1)
+
+
+@dataclass(frozen=True)
+class AdaptiveSettings:
+    prior_strength: float = 2.0  # pseudo-rounds behind the prior α at each position
+    decay: float = 0.95  # per round: older evidence fades, so estimates follow the text
+    cost_decay: float = 0.9  # per round: how fast the machine's speed factor is re-estimated
+    margin: float = 1.02  # speculate only when predicted to be this much faster
+    first_probe: int = 4  # plain rounds before the first probe; doubles after a failed one
+    last_probe: int = 64
+
+
+class AdaptiveGamma:
+    """Chooses each round's γ from per-position acceptance estimates and a cost model.
+
+    Estimates: α_i = (accepted_i + s·prior_i) / (reached_i + s), where reached_i counts the
+    rounds that drafted position i with every earlier draft accepted, and both counts decay
+    by `decay` per update. A drafter that proposes fewer tokens than asked (n-gram lookup
+    finding no match) counts as rejected at the first missing position. Costs: the cost
+    model's T(n) and D(k), times speed factors re-estimated from the rounds' own timings, so
+    a busier machine moves target and draft costs alike.
+    """
+
+    def __init__(
+        self,
+        cost: CostModel,
+        *,
+        max_gamma: int,
+        prior: Sequence[float] = (),
+        settings: AdaptiveSettings = AdaptiveSettings(),
+    ) -> None:
+        self.cost = cost
+        self.max_gamma = max_gamma
+        self.settings = settings
+        self.prior = [prior[i] if i < len(prior) else 0.5 for i in range(max_gamma)]
+        self.reached = [0.0] * max_gamma
+        self.accepted = [0.0] * max_gamma
+        self.target_speed = 1.0  # measured / modelled seconds
+        self.draft_speed = 1.0
+        # Without measured draft costs (no profile), learn seconds per drafted token here.
+        self.learn_draft = cost.draft_s(1) == 0
+        self.draft_per_token_s = 0.0
+        self.verified: dict[int, int] = {}  # k -> tokens verified (a tree verifies more)
+        self.plain_rounds = 0
+        self.probe_every = settings.first_probe
+
+    @property
+    def alphas(self) -> list[float]:
+        s = self.settings.prior_strength
+        return [
+            (a + s * p) / (r + s)
+            for a, r, p in zip(self.accepted, self.reached, self.prior, strict=True)
+        ]
+
+    def current_cost(self) -> CostModel:
+        """The cost model at this machine's current speed."""
+        cost = self.cost.scaled(target=self.target_speed, draft=self.draft_speed)
+        if self.learn_draft:
+            cost = replace(cost, draft_per_token_s=self.draft_per_token_s)
+        return cost
+
+    def predicted_speedup(self, k: int) -> float:
+        cost = self.current_cost()
+        round_s = cost.round_s(k, self.verified.get(k, k + 1))
+        return expected_tokens(self.alphas, k) * cost.target_s(1) / round_s
+
+    def next_gamma(self, limit: int) -> int:
+        top = max(0, min(self.max_gamma, limit))
+        best = max(range(top + 1), key=lambda k: (self.predicted_speedup(k), -k))
+        if best > 0 and self.predicted_speedup(best) >= self.settings.margin:
+            return best
+        if top >= 1 and self.plain_rounds >= self.probe_every:
+            return 1  # a probe: is the text predictable again?
+        return 0
+
+    def update(self, record: RoundRecord) -> None:
+        self._update_speeds(record)
+        if record.requested == 0:
+            self.plain_rounds += 1
+            return
+        probe_failed = self.plain_rounds > 0 and record.accepted == 0
+        if self.plain_rounds > 0:  # a probe: back off further if it failed
+            self.probe_every = (
+                min(2 * self.probe_every, self.settings.last_probe)
+                if probe_failed
+                else self.settings.first_probe
+            )
+        self.plain_rounds = 0
+        self._update_acceptance(record)
+
+    def _update_acceptance(self, record: RoundRecord) -> None:
+        decay = self.settings.decay
+        self.reached = [r * decay for r in self.reached]
+        self.accepted = [a * decay for a in self.accepted]
+        # Positions tried: every drafted one reached, plus the first missing one.
+        tried = min(record.requested, record.drafted + 1, self.max_gamma)
+        for i in range(min(tried, record.accepted + 1)):
+            self.reached[i] += 1
+            self.accepted[i] += i < record.accepted
+
+    def _update_speeds(self, record: RoundRecord) -> None:
+        keep = self.settings.cost_decay
+        if record.requested:
+            self.verified[record.requested] = record.verified
+        modelled = self.cost.target_s(record.verified)
+        self.target_speed = keep * self.target_speed + (1 - keep) * record.verify_s / modelled
+        if not record.drafted:
+            return
+        if self.learn_draft:
+            per_token = record.draft_s / record.drafted
+            old = self.draft_per_token_s or per_token  # the first observation sets it
+            self.draft_per_token_s = keep * old + (1 - keep) * per_token
+        else:
+            ratio = record.draft_s / self.cost.draft_s(record.drafted)
+            self.draft_speed = keep * self.draft_speed + (1 - keep) * ratio

@@ -1,0 +1,191 @@
+"""`specmtp tune`: measure a target/drafter pair on this machine and choose the draft length.
+
+It measures the target's verify cost T(n), the drafter's cost per round D(k) and the
+conditional acceptance α_i per draft position, on training prompts (never the evaluation
+sets: a γ tuned on them would flatter the benchmark), then sweeps γ with plain decoding
+interleaved per prompt, prints predicted and measured speedup per γ, and writes a profile
+that `--gamma auto` (the adaptive schedule) and `SPEC@best` in the bench start from.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from specmtp.api import SpecGenerator, make_config
+from specmtp.config import GenerationConfig
+from specmtp.costmodel import (
+    CostModel,
+    conditional_acceptance,
+    fit_draft_cost,
+    measure_verify_costs,
+)
+from specmtp.data import load_train_prompts
+from specmtp.errors import SpecMTPError
+from specmtp.models import load_model
+from specmtp.profile import Profile, default_profile_path
+from specmtp.stats import GenerationStats
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    prompts: tuple[Path, ...]
+    target: str = "default"
+    draft: str = "ngram"
+    max_gamma: int = 8
+    limit: int = 8  # prompts used, after a seeded shuffle of the sources
+    max_new_tokens: int = 96
+    temperature: float = 0.0
+    seed: int = 0
+    out: Path | None = None  # None: default_profile_path
+    plot: Path | None = None  # None: the profile path with .png
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise SpecMTPError("tune needs --prompts (training prompts)")
+        for path in self.prompts:
+            if "eval" in Path(path).resolve().parts:
+                raise SpecMTPError(
+                    f"{path} is an evaluation set: tune on training prompts, not on the "
+                    "prompts the benchmark reports"
+                )
+        if not 1 <= self.max_gamma <= 32:
+            raise SpecMTPError(f"max-gamma must be in 1..32, got {self.max_gamma}")
+        if self.limit < 1:
+            raise SpecMTPError(f"limit must be >= 1, got {self.limit}")
+        GenerationConfig(self.max_new_tokens)  # validates max_new_tokens
+
+    @property
+    def profile_path(self) -> Path:
+        return self.out or default_profile_path(self.target, self.draft)
+
+
+def _generation(config: TuneConfig, gamma: int) -> GenerationConfig:
+    return make_config(
+        max_new_tokens=config.max_new_tokens,
+        gamma=gamma,
+        temperature=config.temperature,
+        seed=config.seed,
+    )
+
+
+def _run(gen: SpecGenerator, ids: list[int], config: GenerationConfig) -> GenerationStats:
+    return gen.decoder.generate(ids, config).stats  # stats.total_s: the generation's wall time
+
+
+def sweep_runs(
+    plain: SpecGenerator,
+    spec: SpecGenerator,
+    prompt_ids: Sequence[list[int]],
+    config: TuneConfig,
+    log: Log,
+) -> dict[int, list[GenerationStats]]:
+    """Every γ in 0..max_gamma (0: plain decoding) on every prompt, interleaved per prompt."""
+    runs: dict[int, list[GenerationStats]] = {g: [] for g in range(config.max_gamma + 1)}
+    for i, ids in enumerate(prompt_ids, 1):
+        for gamma in runs:
+            gen = plain if gamma == 0 else spec
+            runs[gamma].append(_run(gen, ids, _generation(config, max(gamma, 1))))
+        line = " ".join(f"{g}:{r[-1].tokens_per_s:.1f}" for g, r in runs.items())
+        log(f"[{i}/{len(prompt_ids)}] tokens/s by γ {line}")
+    return runs
+
+
+def _tokens_per_s(runs: Sequence[GenerationStats]) -> float:
+    return sum(s.new_tokens for s in runs) / sum(s.total_s for s in runs)
+
+
+def pooled_alphas(runs: Sequence[GenerationStats], max_gamma: int) -> tuple[float, ...]:
+    """α_i over every run: counts summed before dividing. Positions never reached get 0."""
+    reached = [sum(s.position_reached[i] for s in runs if i < s.gamma) for i in range(max_gamma)]
+    accepted = [sum(s.position_accepted[i] for s in runs if i < s.gamma) for i in range(max_gamma)]
+    return tuple(a or 0.0 for a in conditional_acceptance(reached, accepted))
+
+
+def _typical_verified(runs: Sequence[GenerationStats], gamma: int) -> int:
+    sizes: dict[int, int] = {}
+    for s in runs:
+        for n, count in s.verify_sizes.items():
+            sizes[n] = sizes.get(n, 0) + count
+    return max(sizes, key=lambda n: (sizes[n], n)) if sizes else gamma + 1
+
+
+def build_profile(
+    config: TuneConfig, runs: dict[int, list[GenerationStats]], verify_s: tuple[float, ...]
+) -> Profile:
+    """The cost model, α and the per-γ table from the sweep and the measured T(n)."""
+    samples = [(g, s.draft_s / s.rounds) for g, rs in runs.items() if g > 0 for s in rs if s.rounds]
+    fixed, per_token = fit_draft_cost(samples)
+    cost = CostModel(verify_s, fixed, per_token)
+    alphas = pooled_alphas([s for g, rs in runs.items() if g > 0 for s in rs], config.max_gamma)
+    plain = _tokens_per_s(runs[0])
+    sweep = [{"gamma": 0, "predicted_speedup": 1.0, "measured_speedup": 1.0, "tokens_per_s": plain}]
+    for gamma in range(1, config.max_gamma + 1):
+        rs = runs[gamma]
+        rounds = sum(s.rounds for s in rs)
+        committed = sum(s.accepted_tokens + s.rounds for s in rs)
+        sweep.append(
+            {
+                "gamma": gamma,
+                "predicted_speedup": round(
+                    cost.speedup(alphas, gamma, _typical_verified(rs, gamma)), 4
+                ),
+                "measured_speedup": round(_tokens_per_s(rs) / plain, 4),
+                "tokens_per_s": round(_tokens_per_s(rs), 3),
+                "mean_accepted_tokens": round(committed / rounds, 4),
+            }
+        )
+    best = max(sweep[1:], key=lambda row: row["measured_speedup"])["gamma"]
+    meta = {
+        "machine": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "prompts": [str(p) for p in config.prompts],
+        "num_prompts": len(runs[0]),
+        "max_new_tokens": config.max_new_tokens,
+        "temperature": config.temperature,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    return Profile(config.target, config.draft, cost, alphas, best, tuple(sweep), meta)
+
+
+def run_tune(config: TuneConfig, *, log: Log) -> Profile:
+    texts = load_train_prompts(config.prompts, seed=config.seed)[: config.limit]
+    log(f"loading target {config.target} and draft {config.draft}")
+    target = load_model(config.target)
+    plain, spec = SpecGenerator(target), SpecGenerator(target, draft=config.draft)
+    prompt_ids = [plain.encode(text, chat=True) for text in texts]
+    warmup = replace(_generation(config, config.max_gamma), max_new_tokens=8)
+    for gen in (plain, spec):
+        gen.decoder.generate(prompt_ids[0], warmup)
+    runs = sweep_runs(plain, spec, prompt_ids, config, log)
+    largest = max(n for rs in runs.values() for s in rs for n in s.verify_sizes)
+    log(f"measuring T(n) for n = 1..{largest}")
+    verify_s = measure_verify_costs(
+        spec.decoder.target, prompt_ids[0], max_tokens=max(largest, config.max_gamma + 1)
+    )
+    profile = build_profile(config, runs, verify_s)
+    profile.save(config.profile_path)
+    return profile
+
+
+def sweep_table(profile: Profile) -> str:
+    rows = ["  γ  predicted  measured  tokens/s     τ", "-" * 40]
+    for row in profile.sweep:
+        tau = row.get("mean_accepted_tokens")
+        rows.append(
+            f"{row['gamma']:>3}  {row['predicted_speedup']:8.2f}x  {row['measured_speedup']:7.2f}x"
+            f"  {row['tokens_per_s']:8.1f}  {'-' if tau is None else f'{tau:4.2f}':>4}"
+        )
+    alphas = " ".join(f"{a:.2f}" for a in profile.alphas)
+    rows.append(f"best γ {profile.best_gamma}; α by position: {alphas}")
+    return "\n".join(rows)
