@@ -537,7 +537,11 @@ def plot_tune(profile: dict[str, Any], path: Path) -> Path:
     else:
         _no_data(right)
     _integer_ticks(right)
-    right.set(xlabel="draft position", ylabel=f"{ALPHA} = P(accepted | drafted)", ylim=(0, 1.1))
+    right.set(
+        xlabel="draft position",
+        ylabel=f"{ALPHA} = P(accepted | earlier drafts accepted)",
+        ylim=(0, 1.1),
+    )
     right.set_title("Acceptance per draft position")
     fig.suptitle(f"target {profile.get('target', '?')}, draft {profile.get('draft', '?')}")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ class GenerationStats:
     accept_histogram: list[int] = field(default_factory=list)  # [gamma+1] rounds by accepted
     position_proposed: list[int] = field(default_factory=list)  # [gamma] rounds drafting pos i
     position_accepted: list[int] = field(default_factory=list)  # [gamma] rounds accepting pos i
-    # [gamma] rounds drafting pos i with every earlier draft accepted: α_i's denominator
+    # [gamma] rounds that asked for pos i with every earlier draft accepted: α_i's denominator
     position_reached: list[int] = field(default_factory=list)
     requested_gammas: dict[int, int] = field(default_factory=dict)  # γ asked -> rounds
     verify_sizes: dict[int, int] = field(default_factory=dict)  # tokens verified -> rounds
@@ -78,6 +78,10 @@ class GenerationStats:
             self.position_proposed[i] += 1
             self.position_accepted[i] += i < accepted
             self.position_reached[i] += i <= accepted
+        if accepted == drafted < min(requested, self.gamma):
+            # The drafter stopped short (n-gram lookup found nothing more): for the cost
+            # model, a position asked for and not drafted is a position rejected.
+            self.position_reached[drafted] += 1
 
     def record_memory(self, kv_bytes: int) -> None:
         self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes)

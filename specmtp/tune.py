@@ -23,6 +23,7 @@ from specmtp.config import GenerationConfig
 from specmtp.costmodel import (
     CostModel,
     conditional_acceptance,
+    expected_tokens,
     fit_draft_cost,
     measure_verify_costs,
 )
@@ -110,12 +111,16 @@ def pooled_alphas(runs: Sequence[GenerationStats], max_gamma: int) -> tuple[floa
     return tuple(a or 0.0 for a in conditional_acceptance(reached, accepted))
 
 
-def _typical_verified(runs: Sequence[GenerationStats], gamma: int) -> int:
-    sizes: dict[int, int] = {}
-    for s in runs:
-        for n, count in s.verify_sizes.items():
-            sizes[n] = sizes.get(n, 0) + count
-    return max(sizes, key=lambda n: (sizes[n], n)) if sizes else gamma + 1
+def predicted_speedup(
+    cost: CostModel, alphas: Sequence[float], gamma: int, runs: Sequence[GenerationStats]
+) -> float:
+    """E(γ) from α, over the expected round time: the measured draft time per round, and T(n)
+    weighted by how often each verify size n occurred (a drafter that finds nothing, like
+    n-gram lookup, verifies fewer than γ + 1 tokens)."""
+    rounds = sum(s.rounds for s in runs)
+    draft = sum(s.draft_s for s in runs) / rounds
+    verify = sum(c * cost.target_s(n) for s in runs for n, c in s.verify_sizes.items()) / rounds
+    return expected_tokens(alphas, gamma) * cost.target_s(1) / (draft + verify)
 
 
 def build_profile(
@@ -135,9 +140,7 @@ def build_profile(
         sweep.append(
             {
                 "gamma": gamma,
-                "predicted_speedup": round(
-                    cost.speedup(alphas, gamma, _typical_verified(rs, gamma)), 4
-                ),
+                "predicted_speedup": round(predicted_speedup(cost, alphas, gamma, rs), 4),
                 "measured_speedup": round(_tokens_per_s(rs) / plain, 4),
                 "tokens_per_s": round(_tokens_per_s(rs), 3),
                 "mean_accepted_tokens": round(committed / rounds, 4),
