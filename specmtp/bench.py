@@ -1,43 +1,41 @@
-"""Benchmark: plain decoding (`ar`) against speculative methods on Spec-Bench prompts.
+"""Benchmark: plain decoding (`ar`) against speculative methods, in one process.
 
-Every number comes from one run: the `ar` baseline and each draft method decode the same
-prompts with the same settings in the same process, on one loaded target. Methods are
-interleaved per prompt (prompt 1: ar, m1, m2; prompt 2: ...) so machine noise hits all
-of them alike.
+Every number comes from one run: the `ar` baseline and each method decode the same prompts
+with the same settings on one loaded target. Methods are interleaved per prompt (prompt 1:
+ar, m1, m2; prompt 2: ...) so machine noise hits all of them alike. Definitions of every
+reported figure are in bench_results.
 
-Definitions (per method, over all prompts):
-- latency: wall-clock seconds of one generation (prefill included); with repeats > 1,
-  the median of the repeats of that prompt.
-- tokens_per_s: total new tokens / total latency.
-- speedup: tokens_per_s / tokens_per_s of `ar`. Under greedy decoding both emit the same
-  tokens, so this equals the ratio of summed latencies.
-- mean_accepted_tokens (τ): committed tokens / target verify rounds, summed over prompts
-  (so it is weighted by rounds), as in Spec-Bench; `ar` has τ = 1.
-- acceptance_per_position: rounds accepting draft position i / rounds drafting it.
-- greedy_mismatches: prompts whose tokens differ from `ar`'s (None unless temperature 0).
+A method is named by a spec:
+- `DRAFT[@GAMMA]`: our decoder with a draft (see api.build_drafter); GAMMA is N, `auto`
+  (adaptive schedule, from the pair's tuning profile if any), `best` (the profile's fastest
+  fixed γ) or `hf` (Hugging Face's +2/-1 schedule run by our engine); default: --gamma.
+- `hf-assisted:MODEL[@N]`: transformers' own assisted generation with MODEL as assistant.
+- `hf-prompt-lookup[:N][@N]`: transformers' prompt lookup (longest n-gram N).
 """
 
 from __future__ import annotations
 
-import json
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from specmtp.api import SpecGenerator
+from specmtp.api import SpecGenerator, eos_token_ids, gamma_settings
+from specmtp.bench_results import BASELINE, MethodResult, PromptRun, table
 from specmtp.config import GenerationConfig
+from specmtp.costmodel import CostModel, measure_verify_costs
 from specmtp.errors import SpecMTPError
-from specmtp.models import load_model
-from specmtp.stats import GenerationStats
+from specmtp.hf_baselines import HFGenerator, HFSettings
+from specmtp.models import LoadedModel, load_model
+from specmtp.profile import Profile, find_profile
+from specmtp.prompts import BenchPrompt, context_text, load_prompt_spec
+from specmtp.stats import GenerationStats, resident_bytes
 
-BASELINE = "ar"
 WARMUP_TOKENS = 8  # a warm-up only needs to touch every code path once
+HF_PREFIX = "hf-"
 
 Log = Callable[[str], None]
 
@@ -48,157 +46,216 @@ def log_to_stderr(line: str) -> None:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    prompts: Path
+    prompts: tuple[str, ...]  # prompt files or random:COUNTxLENGTH specs
     target: str = "default"
-    drafts: tuple[str, ...] = ()
+    drafts: tuple[str, ...] = ()  # method specs, see the module docstring
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    limit: int | None = None  # first N prompts; None: all
+    temperatures: tuple[float, ...] = ()  # more passes at these temperatures
+    limit: int | None = None  # first N prompts of each file; None: all
+    per_category: int | None = None  # first N prompts of each category
     warmup: int = 1  # unmeasured short generations per method before the measured ones
     repeats: int = 1
+    contexts: tuple[int, ...] = ()  # context-length sweep: prompt lengths in tokens
+    context_prompts: int = 2  # prompts per context length
 
     def __post_init__(self) -> None:
-        if self.limit is not None and self.limit < 1:
-            raise SpecMTPError(f"limit must be >= 1, got {self.limit}")
-        if self.warmup < 0:
-            raise SpecMTPError(f"warmup must be >= 0, got {self.warmup}")
-        if self.repeats < 1:
-            raise SpecMTPError(f"repeats must be >= 1, got {self.repeats}")
+        if not self.prompts:
+            raise SpecMTPError("the bench needs --prompts")
+        if self.warmup < 0 or self.repeats < 1 or self.context_prompts < 1:
+            raise SpecMTPError("warmup must be >= 0, repeats and context-prompts >= 1")
+        if any(n < 8 for n in self.contexts):
+            raise SpecMTPError(f"context lengths must be >= 8 tokens, got {list(self.contexts)}")
+        for t in self.temperatures:
+            replace(self.generation.sampling, temperature=t)  # validates
         names = [BASELINE, *self.drafts]
         if len(set(names)) != len(names):
-            raise SpecMTPError(f"each draft must be named once and not {BASELINE!r}: {names}")
+            raise SpecMTPError(f"each method must be named once and not {BASELINE!r}: {names}")
 
     @property
     def method_names(self) -> list[str]:
         return [BASELINE, *self.drafts]
 
 
-@dataclass(frozen=True)
-class BenchPrompt:
-    question_id: Any
-    category: str
-    text: str  # the first turn
+class Runner(Protocol):
+    schedule: str  # how γ is chosen, for the report
+    has_rounds: bool  # per-round statistics (τ, acceptance) exist
+    profile: Profile | None  # the tuning profile it started from
+
+    def run(self, ids: list[int], config: GenerationConfig) -> tuple[list[int], GenerationStats]:
+        """Generate; the stats' total_s is the latency."""
 
 
-def _parse_prompt_line(line: str, where: str) -> BenchPrompt:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise SpecMTPError(f"{where}: bad JSON ({e.msg})") from None
-    if not isinstance(record, dict):
-        raise SpecMTPError(f"{where}: expected a JSON object with 'turns'")
-    turns = record.get("turns")
-    if not isinstance(turns, list) or not turns:
-        raise SpecMTPError(f"{where}: missing 'turns' (a non-empty list of strings)")
-    if not isinstance(turns[0], str) or not turns[0].strip():
-        raise SpecMTPError(f"{where}: the first turn must be a non-empty string")
-    return BenchPrompt(record.get("question_id"), str(record.get("category", "")), turns[0])
+class SpecRunner:
+    """Our decoder, with the method's draft-length settings applied to every request."""
+
+    has_rounds = True
+
+    def __init__(self, gen: SpecGenerator, settings: dict[str, Any]) -> None:
+        self.gen, self.settings = gen, settings
+        self.schedule = _schedule_name(settings)
+        self.profile = gen.profile
+
+    def run(self, ids: list[int], config: GenerationConfig) -> tuple[list[int], GenerationStats]:
+        result = self.gen.decoder.generate(ids, replace(config, **self.settings))
+        return result.tokens, result.stats
 
 
-def load_prompts(path: Path, limit: int | None = None) -> list[BenchPrompt]:
-    """Spec-Bench prompts: one JSON object per line, {question_id, category, turns}."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise SpecMTPError(f"cannot read prompts file {path}: {reason}") from None
-    prompts = [
-        _parse_prompt_line(line, f"{path} line {n}")
-        for n, line in enumerate(lines, 1)
-        if line.strip()
-    ]
-    if not prompts:
-        raise SpecMTPError(f"prompts file {path} holds no prompts")
-    return prompts[:limit]
+class HFRunner:
+    """transformers' generate(): no per-round statistics, only tokens and timings."""
+
+    has_rounds = False
+    profile = None
+
+    def __init__(self, gen: HFGenerator, schedule: str) -> None:
+        self.gen, self.schedule = gen, schedule
+
+    def run(self, ids: list[int], config: GenerationConfig) -> tuple[list[int], GenerationStats]:
+        s = config.sampling
+        out = self.gen.generate(
+            ids,
+            max_new_tokens=config.max_new_tokens,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            seed=config.seed,
+        )
+        stats = GenerationStats(gamma=0, prompt_tokens=len(ids), new_tokens=len(out.tokens))
+        stats.total_s, stats.first_token_s = out.latency_s, out.ttft_s
+        stats.peak_rss_bytes = resident_bytes()
+        return out.tokens, stats
+
+
+def _schedule_name(settings: dict[str, Any]) -> str:
+    schedule = settings.get("schedule", "fixed")
+    return f"fixed:{settings['gamma']}" if schedule == "fixed" and "gamma" in settings else schedule
+
+
+def build_runner(spec: str, target: LoadedModel, base: GenerationConfig) -> Runner:
+    """The one place a method spec becomes a runner."""
+    name, _, gamma = spec.partition("@")
+    if spec == BASELINE:
+        runner = SpecRunner(SpecGenerator(target), {})
+        runner.schedule = "plain"
+        return runner
+    if name.startswith(HF_PREFIX):
+        return _hf_runner(name, gamma or str(base.gamma), target)
+    profile = find_profile(target.spec, name) if gamma in ("auto", "best") else None
+    settings = gamma_settings(gamma or base.gamma, profile)
+    return SpecRunner(SpecGenerator(target, draft=name, profile=profile), settings)
+
+
+def _hf_runner(name: str, gamma: str, target: LoadedModel) -> HFRunner:
+    method, _, argument = name.partition(":")
+    if not gamma.isdigit() or int(gamma) < 1:
+        raise SpecMTPError(f"{name}: Hugging Face's methods take a fixed γ >= 1, got {gamma!r}")
+    eos = eos_token_ids(target)
+    if method == "hf-assisted":
+        if not argument:
+            raise SpecMTPError("hf-assisted needs its assistant: hf-assisted:MODEL")
+        assistant = load_model(argument).model
+        settings = HFSettings("assisted", num_tokens=int(gamma))  # no early stop of drafting
+        return HFRunner(HFGenerator(target.model, settings=settings, assistant=assistant,
+                                    eos_token_ids=eos), f"fixed:{gamma}")  # fmt: skip
+    if method == "hf-prompt-lookup":
+        if argument and not argument.isdigit():
+            raise SpecMTPError(f"bad {name!r}: use hf-prompt-lookup or hf-prompt-lookup:N")
+        settings = HFSettings(
+            "prompt-lookup",
+            num_tokens=int(gamma),
+            max_matching_ngram_size=int(argument) if argument else None,
+        )
+        return HFRunner(HFGenerator(target.model, settings=settings, eos_token_ids=eos),
+                        f"fixed:{gamma}")  # fmt: skip
+    raise SpecMTPError(
+        f"unknown Hugging Face method {name!r}: hf-assisted:MODEL or hf-prompt-lookup"
+    )
+
+
+def measure(
+    runners: dict[str, Runner],
+    prompts: Sequence[BenchPrompt],
+    prompt_ids: Sequence[list[int]],
+    config: GenerationConfig,
+    repeats: int,
+    log: Log,
+) -> dict[str, list[PromptRun]]:
+    """Every method on every prompt, interleaved per prompt; latencies repeated."""
+    runs: dict[str, list[PromptRun]] = {name: [] for name in runners}
+    for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids, strict=True), 1):
+        for repeat in range(repeats):
+            for name, runner in runners.items():
+                start = time.perf_counter()
+                tokens, stats = runner.run(ids, config)
+                latency = time.perf_counter() - start
+                if repeat == 0:
+                    runs[name].append(
+                        PromptRun(
+                            prompt.question_id, prompt.group, tokens, stats, [], runner.has_rounds
+                        )
+                    )
+                runs[name][-1].latencies.append(latency)
+                log(
+                    f"[{i}/{len(prompts)}] {prompt.group} {prompt.question_id} {name}: "
+                    f"{stats.new_tokens} tokens in {latency:.2f} s "
+                    f"({stats.new_tokens / latency:.1f} tok/s)"
+                )
+    return runs
+
+
+def measure_costs(
+    runners: dict[str, Runner], runs: dict[str, list[PromptRun]], ids: list[int], log: Log
+) -> dict[str, CostModel]:
+    """T(n) of each of our methods' target (as it runs there: MTP keeps hidden states), up
+    to the largest verify pass that method made, measured after its runs."""
+    costs = {}
+    for name, runner in runners.items():
+        if not isinstance(runner, SpecRunner):
+            continue
+        largest = max(n for r in runs[name] for n in r.stats.verify_sizes)
+        log(f"measuring T(n) of {name}'s target for n = 1..{largest}")
+        costs[name] = CostModel(
+            measure_verify_costs(runner.gen.decoder.target, ids, max_tokens=largest)
+        )
+    return costs
+
+
+def summarize(
+    runners: dict[str, Runner],
+    runs: dict[str, list[PromptRun]],
+    costs: dict[str, CostModel],
+    greedy: bool,
+) -> dict[str, MethodResult]:
+    plain_step = costs[BASELINE].target_s(1) if BASELINE in costs else None
+    return {
+        name: MethodResult(
+            name, runners[name].schedule, r, runs[BASELINE], greedy, costs.get(name), plain_step
+        )
+        for name, r in runs.items()
+    }
 
 
 @dataclass
-class PromptRun:
-    """One method on one prompt: the output and stats of the first repeat, every latency."""
-
-    question_id: Any
-    tokens: list[int]
-    stats: GenerationStats
-    latencies: list[float] = field(default_factory=list)
-
-    @property
-    def latency_s(self) -> float:
-        return statistics.median(self.latencies)
-
-    def to_dict(self) -> dict[str, Any]:
-        n = self.stats.new_tokens
-        return {
-            "question_id": self.question_id,
-            "latency_s": round(self.latency_s, 4),
-            "new_tokens": n,
-            "mean_accepted_tokens": round(self.stats.mean_accepted_tokens, 4),
-            "tokens_per_s": round(n / self.latency_s, 3),
-        }
-
-
-@dataclass(frozen=True)
-class MethodResult:
-    name: str
-    runs: list[PromptRun]
-    tokens_per_s: float
-    speedup: float
-    greedy_mismatches: int | None
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(r.stats.new_tokens for r in self.runs)
-
-    @property
-    def latency_s(self) -> float:
-        """Mean latency per prompt."""
-        return statistics.fmean(r.latency_s for r in self.runs)
-
-    @property
-    def mean_accepted_tokens(self) -> float:
-        rounds = sum(r.stats.rounds for r in self.runs)
-        committed = sum(r.stats.accepted_tokens + r.stats.rounds for r in self.runs)
-        return committed / rounds if rounds else 0.0
-
-    @property
-    def acceptance_per_position(self) -> list[float | None]:
-        proposed = [
-            sum(p) for p in zip(*(r.stats.position_proposed for r in self.runs), strict=True)
-        ]
-        accepted = [
-            sum(a) for a in zip(*(r.stats.position_accepted for r in self.runs), strict=True)
-        ]
-        return [a / p if p else None for a, p in zip(accepted, proposed, strict=True)]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "tokens_per_s": round(self.tokens_per_s, 3),
-            "speedup": round(self.speedup, 3),
-            "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
-            "greedy_mismatches": self.greedy_mismatches,
-            "latency_s": round(self.latency_s, 4),
-            "new_tokens": self.new_tokens,
-            "acceptance_per_position": [
-                None if a is None else round(a, 4) for a in self.acceptance_per_position
-            ],
-            "per_prompt": [r.to_dict() for r in self.runs],
-        }
-
-
-@dataclass(frozen=True)
 class BenchResult:
     config: BenchConfig
     num_prompts: int
     methods: dict[str, MethodResult]
+    by_temperature: dict[str, dict[str, MethodResult]] = field(default_factory=dict)
+    context_sweep: list[dict[str, Any]] = field(default_factory=list)
+    gamma_sweep: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def config_dict(self) -> dict[str, Any]:
         gen = self.config.generation
         return {
             "target": self.config.target,
             "drafts": list(self.config.drafts),
-            "prompts": str(self.config.prompts),
+            "prompts": list(self.config.prompts),
             "num_prompts": self.num_prompts,
+            "limit": self.config.limit,
+            "per_category": self.config.per_category,
             "max_new_tokens": gen.max_new_tokens,
             "gamma": gen.gamma,
             "temperature": gen.sampling.temperature,
+            "temperatures": [gen.sampling.temperature, *self.config.temperatures],
             "top_k": gen.sampling.top_k,
             "top_p": gen.sampling.top_p,
             "seed": gen.seed,
@@ -206,96 +263,139 @@ class BenchResult:
             "warmup": self.config.warmup,
             "repeats": self.config.repeats,
             "speedup": f"tokens_per_s / {BASELINE} tokens_per_s",
+            "efficiency": "speedup / predicted_speedup; the prediction uses T(n) measured in "
+            "this run for every verify pass, the drafter's measured time and the prefill",
             "torch_threads": torch.get_num_threads(),
         }
 
     def to_dict(self) -> dict[str, Any]:
+        main_cost = next((m.cost for m in reversed(self.methods.values()) if m.cost), None)
         return {
             "methods": {name: m.to_dict() for name, m in self.methods.items()},
+            "by_temperature": {
+                t: {name: m.to_dict(per_prompt=False) for name, m in methods.items()}
+                for t, methods in self.by_temperature.items()
+            },
+            "context_sweep": self.context_sweep,
+            "gamma_sweep": self.gamma_sweep,
+            "cost_model": None if main_cost is None else main_cost.to_dict(),
             "config": self.config_dict(),
         }
 
     def table(self) -> str:
-        """The human summary: one row per method."""
-        width = max(len("method"), *(len(name) for name in self.methods))
-        header = f"{'method':<{width}}  latency s  tokens/s  speedup     τ  mismatches"
-        rows = [header, "-" * len(header)]
-        for name, m in self.methods.items():
-            mismatches = "-" if m.greedy_mismatches is None else str(m.greedy_mismatches)
-            rows.append(
-                f"{name:<{width}}  {m.latency_s:9.3f}  {m.tokens_per_s:8.1f}  "
-                f"{m.speedup:6.2f}x  {m.mean_accepted_tokens:4.2f}  {mismatches:>10}"
+        lines = [table(self.methods)]
+        for t, methods in self.by_temperature.items():
+            if methods is not self.methods:
+                lines += ["", f"temperature {t}:", table(methods)]
+        for point in self.context_sweep:
+            lines.append(
+                f"context {point['context_tokens']} tokens: "
+                + ", ".join(f"{n} {m['speedup']:.2f}x" for n, m in point["methods"].items())
             )
-        return "\n".join(rows)
+        return "\n".join(lines)
 
 
-def _tokens_per_s(runs: list[PromptRun]) -> float:
-    return sum(r.stats.new_tokens for r in runs) / sum(r.latency_s for r in runs)
+def _load_prompts(config: BenchConfig, target: LoadedModel) -> list[BenchPrompt]:
+    tokenizer = target.tokenizer
+    prompts = []
+    for spec in config.prompts:
+        prompts += load_prompt_spec(
+            spec,
+            limit=config.limit,
+            per_category=config.per_category,
+            vocab_size=len(tokenizer),
+            exclude=tokenizer.all_special_ids,
+        )
+    return prompts
 
 
-def summarize_method(
-    name: str, runs: list[PromptRun], baseline: list[PromptRun], greedy: bool
-) -> MethodResult:
-    """Aggregate one method's runs; `baseline` holds the `ar` runs of the same prompts."""
-    tokens_per_s = _tokens_per_s(runs)
-    speedup = tokens_per_s / _tokens_per_s(baseline)
-    mismatches = (
-        sum(r.tokens != b.tokens for r, b in zip(runs, baseline, strict=True)) if greedy else None
-    )
-    return MethodResult(name, runs, tokens_per_s, speedup, mismatches)
+def _encode(gen: SpecGenerator, prompt: BenchPrompt) -> list[int]:
+    return list(prompt.ids) if prompt.ids is not None else gen.encode(prompt.text, chat=True)
 
 
-def _timed(
-    gen: SpecGenerator, ids: list[int], config: GenerationConfig
-) -> tuple[list[int], GenerationStats, float]:
-    # The decoder itself, not gen.generate: the bench times token generation, not the
-    # incremental detokenization that streaming text needs.
-    start = time.perf_counter()
-    result = gen.decoder.generate(ids, config)
-    return result.tokens, result.stats, time.perf_counter() - start
-
-
-def _measure(
-    generators: dict[str, SpecGenerator],
+def _pass(
+    runners: dict[str, Runner],
     prompts: Sequence[BenchPrompt],
-    prompt_ids: Sequence[list[int]],
+    ids: Sequence[list[int]],
+    generation: GenerationConfig,
     config: BenchConfig,
     log: Log,
-) -> dict[str, list[PromptRun]]:
-    runs: dict[str, list[PromptRun]] = {name: [] for name in generators}
-    for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids, strict=True), 1):
-        for repeat in range(config.repeats):
-            for name, gen in generators.items():
-                tokens, stats, latency = _timed(gen, ids, config.generation)
-                if repeat == 0:
-                    runs[name].append(PromptRun(prompt.question_id, tokens, stats))
-                runs[name][-1].latencies.append(latency)
-                log(
-                    f"[{i}/{len(prompts)}] question {prompt.question_id} {name}: "
-                    f"{stats.new_tokens} tokens in {latency:.2f} s "
-                    f"({stats.new_tokens / latency:.1f} tok/s, τ {stats.mean_accepted_tokens:.2f})"
-                )
-    return runs
+) -> dict[str, MethodResult]:
+    runs = measure(runners, prompts, ids, generation, config.repeats, log)
+    costs = measure_costs(runners, runs, ids[0], log)
+    return summarize(runners, runs, costs, generation.sampling.greedy)
+
+
+def context_sweep(
+    runners: dict[str, Runner],
+    prompts: Sequence[BenchPrompt],
+    target: LoadedModel,
+    config: BenchConfig,
+    log: Log,
+) -> list[dict[str, Any]]:
+    """Speedup and memory as the prompt grows: long-context versions of the first prompts."""
+    plain = runners[BASELINE]
+    assert isinstance(plain, SpecRunner)
+
+    def count(text: str) -> int:
+        return len(target.tokenizer(text).input_ids)
+
+    textual = [p for p in prompts if p.text]
+    points = []
+    for length in config.contexts:
+        if length + config.generation.max_new_tokens >= target.context_length:
+            log(f"context {length}: skipped, the model's context is {target.context_length}")
+            continue
+        chosen = textual[: config.context_prompts]
+        texts = [context_text(p, textual, tokens=length, count_tokens=count) for p in chosen]
+        ids = [plain.gen.encode(text, chat=True) for text in texts]
+        methods = _pass(runners, chosen, ids, config.generation, config, log)
+        points.append(
+            {
+                "context_tokens": length,
+                "prompt_tokens": round(sum(map(len, ids)) / len(ids)),
+                "methods": {n: m.to_dict(per_prompt=False) for n, m in methods.items()},
+            }
+        )
+    return points
 
 
 def run_bench(config: BenchConfig, *, log: Log = log_to_stderr) -> BenchResult:
     """Load the target once, warm every method up, then measure them interleaved."""
-    prompts = load_prompts(config.prompts, config.limit)
     log(f"loading target {config.target}")
     target = load_model(config.target)
-    generators = {BASELINE: SpecGenerator(target)}
-    for spec in config.drafts:
-        log(f"loading draft {spec}")
-        generators[spec] = SpecGenerator(target, draft=spec)
-    prompt_ids = [generators[BASELINE].encode(p.text, chat=True) for p in prompts]
+    prompts = _load_prompts(config, target)
+    runners: dict[str, Runner] = {}
+    for spec in config.method_names:
+        log(f"preparing {spec}")
+        runners[spec] = build_runner(spec, target, config.generation)
+    plain = runners[BASELINE]
+    assert isinstance(plain, SpecRunner)
+    ids = [_encode(plain.gen, p) for p in prompts]
     warmup = replace(
         config.generation, max_new_tokens=min(WARMUP_TOKENS, config.generation.max_new_tokens)
     )
-    for name, gen in generators.items():
+    for name, runner in runners.items():
         log(f"warming up {name} ({config.warmup}x)")
         for _ in range(config.warmup):
-            gen.decoder.generate(prompt_ids[0], warmup)
-    runs = _measure(generators, prompts, prompt_ids, config, log)
-    greedy = config.generation.sampling.greedy
-    methods = {name: summarize_method(name, r, runs[BASELINE], greedy) for name, r in runs.items()}
-    return BenchResult(config, len(prompts), methods)
+            runner.run(ids[0], warmup)
+    methods = _pass(runners, prompts, ids, config.generation, config, log)
+    result = BenchResult(config, len(prompts), methods)
+    result.by_temperature[str(config.generation.sampling.temperature)] = methods
+    for t in config.temperatures:
+        generation = replace(
+            config.generation, sampling=replace(config.generation.sampling, temperature=t)
+        )
+        result.by_temperature[str(t)] = _pass(runners, prompts, ids, generation, config, log)
+    result.context_sweep = context_sweep(runners, prompts, target, config, log)
+    result.gamma_sweep = _profile_sweeps(runners)
+    return result
+
+
+def _profile_sweeps(runners: dict[str, Runner]) -> dict[str, list[dict[str, Any]]]:
+    """The γ sweeps of the tuning profiles that methods started from."""
+    return {
+        name: list(runner.profile.sweep)
+        for name, runner in runners.items()
+        if runner.profile is not None and runner.profile.sweep
+    }

@@ -22,11 +22,13 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from specmtp.api import SpecGenerator, gamma_settings, make_config
-from specmtp.bench import BenchConfig, run_bench
+from specmtp.bench import BenchConfig, log_to_stderr, run_bench
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.errors import SpecMTPError
 from specmtp.profile import Profile, find_profile
+from specmtp.report import plot_tune, write_report
 from specmtp.train import TrainConfig, train_mtp
+from specmtp.tune import TuneConfig, run_tune, sweep_table
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -86,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate_command(commands)
     _add_bench_command(commands)
+    _add_tune_command(commands)
     _add_train_mtp_command(commands)
     return parser
 
@@ -124,10 +127,11 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="compare draft methods against plain decoding")
     bench.add_argument(
         "--prompts",
-        type=Path,
+        action="append",
         required=True,
-        metavar="FILE.jsonl",
-        help="Spec-Bench questions: {question_id, category, turns} per line",
+        metavar="FILE|random:NxL",
+        help="prompts: Spec-Bench, MT-bench, HumanEval, GSM8K or BELLE JSONL, or random:NxL "
+        "(N prompts of L random tokens); repeatable",
     )
     _add_common_flags(bench)
     bench.add_argument(
@@ -136,10 +140,22 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
         dest="drafts",
         default=[],
         metavar="SPEC",
-        help="a method to compare with plain decoding (repeatable)",
+        help="a method to compare with plain decoding (repeatable): DRAFT[@GAMMA] with GAMMA "
+        "N, auto, best or hf; hf-assisted:MODEL[@N]; hf-prompt-lookup[:N][@N]",
     )
     _add_generation_flags(bench)
-    bench.add_argument("--limit", type=int, help="use only the first N prompts")
+    bench.add_argument("--limit", type=int, help="use only the first N prompts of each file")
+    bench.add_argument("--per-category", type=int, help="at most the first N of each category")
+    bench.add_argument(
+        "--temperatures",
+        help="more passes at these temperatures, comma-separated (e.g. 0.7,1.0; seeded)",
+    )
+    bench.add_argument(
+        "--context", help="context-length sweep: prompt lengths in tokens, e.g. 256,1024,4096"
+    )
+    bench.add_argument(
+        "--context-prompts", type=int, default=2, help="prompts per context length (default 2)"
+    )
     bench.add_argument(
         "--warmup",
         type=int,
@@ -152,7 +168,34 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
         default=1,
         help="runs per prompt and method; the median latency counts (default %(default)s)",
     )
+    bench.add_argument(
+        "--out", type=Path, help="write a Markdown report, PNG plots and the raw JSON here"
+    )
     bench.set_defaults(run=cmd_bench)
+
+
+def _add_tune_command(commands: argparse._SubParsersAction) -> None:
+    tune = commands.add_parser(
+        "tune", help="measure costs and acceptance, sweep γ, write a tuning profile"
+    )
+    defaults = {f.name: f.default for f in dataclasses.fields(TuneConfig)}
+    tune.add_argument(
+        "--prompts", type=Path, action="append", required=True, metavar="PATH",
+        help="training prompts (folder or file; never the evaluation sets); repeatable",
+    )  # fmt: skip
+    _add_common_flags(tune)
+    tune.add_argument("--draft", default=defaults["draft"], help="draft spec (default ngram)")
+    for name, kind in [
+        ("max_gamma", int), ("limit", int), ("max_new_tokens", int),
+        ("temperature", float), ("seed", int),
+    ]:  # fmt: skip
+        flag = "--" + name.replace("_", "-")
+        tune.add_argument(flag, type=kind, default=defaults[name], help=f"default {defaults[name]}")
+    tune.add_argument(
+        "--out", type=Path, help="profile JSON (default: the pair's own, in the cache)"
+    )
+    tune.add_argument("--plot", type=Path, help="PNG plot (default: beside the profile)")
+    tune.set_defaults(run=cmd_tune)
 
 
 def _add_train_mtp_command(commands: argparse._SubParsersAction) -> None:
@@ -237,19 +280,59 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _numbers(text: str | None, kind: type, flag: str) -> tuple[Any, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(kind(part) for part in text.split(","))
+    except ValueError:
+        raise SpecMTPError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(
-        prompts=args.prompts,
+        prompts=tuple(args.prompts),
         target=args.target,
         drafts=tuple(args.drafts),
         generation=make_config(**generation_settings(args)),
+        temperatures=_numbers(args.temperatures, float, "--temperatures"),
         limit=args.limit,
+        per_category=args.per_category,
         warmup=args.warmup,
         repeats=args.repeats,
+        contexts=_numbers(args.context, int, "--context"),
+        context_prompts=args.context_prompts,
     )
     result = run_bench(config)
+    data = result.to_dict()
     print(result.table())
-    print(json.dumps(result.to_dict()))
+    if args.out is not None:
+        command = "specmtp " + " ".join(sys.argv[1:]) if sys.argv[1:] else None
+        paths = write_report(data, args.out, command=command)
+        print(f"report: {paths[0]}", file=sys.stderr)
+    print(json.dumps(data))
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    config = TuneConfig(
+        prompts=tuple(args.prompts),
+        target=args.target,
+        draft=args.draft,
+        max_gamma=args.max_gamma,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        out=args.out,
+        plot=args.plot,
+    )
+    profile = run_tune(config, log=log_to_stderr)
+    plot = config.plot or config.profile_path.with_suffix(".png")
+    plot_tune(profile.to_dict(), plot)
+    print(sweep_table(profile))
+    print(f"profile: {config.profile_path}; plot: {plot}")
+    print(json.dumps(profile.to_dict()))
     return 0
 
 
