@@ -15,6 +15,7 @@ A method is named by a spec:
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +51,7 @@ class BenchConfig:
     target: str = "default"
     drafts: tuple[str, ...] = ()  # method specs, see the module docstring
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    default_gamma: str | None = None  # for drafts without @GAMMA: N, auto, best or hf
     temperatures: tuple[float, ...] = ()  # more passes at these temperatures
     limit: int | None = None  # first N prompts of each file; None: all
     per_category: int | None = None  # first N prompts of each category
@@ -65,6 +67,8 @@ class BenchConfig:
             raise SpecMTPError("warmup must be >= 0, repeats and context-prompts >= 1")
         if any(n < 8 for n in self.contexts):
             raise SpecMTPError(f"context lengths must be >= 8 tokens, got {list(self.contexts)}")
+        if self.default_gamma not in (None, "auto", "best", "hf"):
+            replace(self.generation, **gamma_settings(self.default_gamma))  # validates
         for t in self.temperatures:
             replace(self.generation.sampling, temperature=t)  # validates
         names = [BASELINE, *self.drafts]
@@ -130,17 +134,21 @@ def _schedule_name(settings: dict[str, Any]) -> str:
     return f"fixed:{settings['gamma']}" if schedule == "fixed" and "gamma" in settings else schedule
 
 
-def build_runner(spec: str, target: LoadedModel, base: GenerationConfig) -> Runner:
+def build_runner(
+    spec: str, target: LoadedModel, base: GenerationConfig, default_gamma: str | None = None
+) -> Runner:
     """The one place a method spec becomes a runner."""
     name, _, gamma = spec.partition("@")
+    gamma = gamma or default_gamma or str(base.gamma)
     if spec == BASELINE:
         runner = SpecRunner(SpecGenerator(target), {})
         runner.schedule = "plain"
         return runner
     if name.startswith(HF_PREFIX):
-        return _hf_runner(name, gamma or str(base.gamma), target)
+        return _hf_runner(name, gamma, target)
     profile = find_profile(target.spec, name) if gamma in ("auto", "best") else None
-    settings = gamma_settings(gamma or base.gamma, profile)
+    settings = gamma_settings(gamma, profile)
+    replace(base, **settings)  # a bad γ fails now, not after the baseline has run
     return SpecRunner(SpecGenerator(target, draft=name, profile=profile), settings)
 
 
@@ -203,20 +211,30 @@ def measure(
 
 
 def measure_costs(
-    runners: dict[str, Runner], runs: dict[str, list[PromptRun]], ids: list[int], log: Log
+    runners: dict[str, Runner],
+    runs: dict[str, list[PromptRun]],
+    ids: list[int],
+    log: Log,
+    repeats: int = 5,
 ) -> dict[str, CostModel]:
     """T(n) of each of our methods' target (as it runs there: MTP keeps hidden states), up
-    to the largest verify pass that method made, measured after its runs."""
-    costs = {}
-    for name, runner in runners.items():
-        if not isinstance(runner, SpecRunner):
-            continue
-        largest = max(n for r in runs[name] for n in r.stats.verify_sizes)
-        log(f"measuring T(n) of {name}'s target for n = 1..{largest}")
-        costs[name] = CostModel(
-            measure_verify_costs(runner.gen.decoder.target, ids, max_tokens=largest)
-        )
-    return costs
+    to the largest verify pass that method made. Methods take turns, sweep by sweep, so a
+    change in machine load moves every method's costs alike; medians over `repeats`."""
+    sizes = {
+        name: max(n for r in runs[name] for n in r.stats.verify_sizes)
+        for name, runner in runners.items()
+        if isinstance(runner, SpecRunner)
+    }
+    log(f"measuring T(n) of each method's target: {sizes}")
+    sweeps: dict[str, list[tuple[float, ...]]] = {name: [] for name in sizes}
+    for _ in range(repeats):
+        for name, largest in sizes.items():
+            target = runners[name].gen.decoder.target
+            sweeps[name].append(measure_verify_costs(target, ids, max_tokens=largest, repeats=1))
+    return {
+        name: CostModel(tuple(statistics.median(t) for t in zip(*rows, strict=True)))
+        for name, rows in sweeps.items()
+    }
 
 
 def summarize(
@@ -365,16 +383,22 @@ def run_bench(config: BenchConfig, *, log: Log = log_to_stderr) -> BenchResult:
     log(f"loading target {config.target}")
     target = load_model(config.target)
     prompts = _load_prompts(config, target)
+    if config.contexts and sum(p.text is not None for p in prompts) < 2:
+        raise SpecMTPError("a context sweep needs at least 2 text prompts to build documents from")
     runners: dict[str, Runner] = {}
     for spec in config.method_names:
         log(f"preparing {spec}")
-        runners[spec] = build_runner(spec, target, config.generation)
+        runners[spec] = build_runner(spec, target, config.generation, config.default_gamma)
     plain = runners[BASELINE]
     assert isinstance(plain, SpecRunner)
     ids = [_encode(plain.gen, p) for p in prompts]
     warmup = replace(
         config.generation, max_new_tokens=min(WARMUP_TOKENS, config.generation.max_new_tokens)
     )
+    for runner in runners.values():
+        if isinstance(runner, SpecRunner) and runner.settings.get("schedule") == "adaptive":
+            # The adaptive schedule measures T(n) on first use: not inside a timed run.
+            runner.gen.decoder.cost_model(ids[0], runner.settings["gamma"])
     for name, runner in runners.items():
         log(f"warming up {name} ({config.warmup}x)")
         for _ in range(config.warmup):

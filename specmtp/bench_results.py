@@ -124,6 +124,8 @@ class MethodResult:
     def predicted_speedup(self) -> float | None:
         if self.cost is None or self.plain_step_s is None:
             return None
+        if not all(r.has_rounds for r in self.runs):
+            return None
         return predicted_speedup(self.runs, self.cost, self.plain_step_s)
 
     @property

@@ -232,11 +232,14 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * _SIZE_UNITS[match[2].upper()])
 
 
-def generation_settings(args: argparse.Namespace, profile: Profile | None = None) -> dict[str, Any]:
-    """The GenerationConfig overrides the user gave, by field name."""
+def generation_settings(
+    args: argparse.Namespace, profile: Profile | None = None, *, gamma: bool = True
+) -> dict[str, Any]:
+    """The GenerationConfig overrides the user gave, by field name; with gamma=False the
+    caller resolves --gamma itself (the bench does, per method)."""
     given = {key: getattr(args, key, None) for key in _SETTINGS}
     settings = {key: value for key, value in given.items() if value is not None}
-    if getattr(args, "gamma", None) is not None:
+    if gamma and getattr(args, "gamma", None) is not None:
         settings.update(gamma_settings(args.gamma, profile))
     if getattr(args, "max_memory", None) is not None:
         settings["max_memory_bytes"] = parse_size(args.max_memory)
@@ -294,7 +297,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompts=tuple(args.prompts),
         target=args.target,
         drafts=tuple(args.drafts),
-        generation=make_config(**generation_settings(args)),
+        generation=make_config(**generation_settings(args, gamma=False)),
+        default_gamma=args.gamma,
         temperatures=_numbers(args.temperatures, float, "--temperatures"),
         limit=args.limit,
         per_category=args.per_category,

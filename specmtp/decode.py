@@ -139,7 +139,10 @@ class SpecDecoder:
         adaptive schedule then learns the draft cost while generating)."""
         given = self._cost_model
         if given is None or len(given.verify_s) < gamma + 1:
-            ids = list(prompt_ids) * 2 if len(prompt_ids) < 2 else prompt_ids
+            # Measured after (part of) this prompt, leaving room for gamma + 1 more tokens.
+            room = max(2, self.context_length - gamma - 1)
+            ids = list(prompt_ids)[:room]
+            ids = ids * 2 if len(ids) < 2 else ids
             costs = measure_verify_costs(self.target, ids, max_tokens=gamma + 1, repeats=3)
             self._cost_model = given = CostModel(costs)
         return given
@@ -180,12 +183,11 @@ class SpecDecoder:
         positions = (budget - weights) // per_token
         needed = prompt_tokens + config.max_new_tokens
         if positions < needed:
-            mib = 2**20
             raise SpecMTPError(
-                f"max-memory {budget / mib:.1f} MiB is too small: weights take "
-                f"{weights / mib:.1f} MiB and the KV cache of {prompt_tokens} prompt + "
-                f"{config.max_new_tokens} new tokens {needed * per_token / mib:.1f} MiB "
-                f"(at most {max(0, positions - prompt_tokens)} new tokens fit)"
+                f"max-memory {_size(budget)} is too small: weights take {_size(weights)} and "
+                f"the KV cache of {prompt_tokens} prompt + {config.max_new_tokens} new tokens "
+                f"{_size(needed * per_token)} (at most {max(0, positions - prompt_tokens)} "
+                "new tokens fit)"
             )
         return positions
 
@@ -304,3 +306,10 @@ class SpecDecoder:
         window = 4 * max(len(s) for s in config.stop_strings) + 4
         tail = self.detokenize(tokens[-window:])
         return any(s in tail for s in config.stop_strings)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"

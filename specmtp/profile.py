@@ -32,6 +32,16 @@ class Profile:
     sweep: tuple[dict[str, Any], ...] = ()  # per γ: predicted and measured speedup, τ
     meta: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not self.alphas or not all(0.0 <= a <= 1.0 for a in self.alphas):
+            raise SpecMTPError("a profile needs acceptance rates alphas in [0, 1]")
+        if not 1 <= self.best_gamma <= len(self.alphas):
+            raise SpecMTPError(
+                f"best_gamma must be in 1..{len(self.alphas)}, got {self.best_gamma}"
+            )
+        if not all(isinstance(row, dict) for row in self.sweep):
+            raise SpecMTPError("a profile's sweep must be a list of objects")
+
     @property
     def max_gamma(self) -> int:
         return len(self.alphas)
@@ -60,7 +70,7 @@ class Profile:
                 CostModel.from_dict(data["cost_model"]),
                 tuple(float(a) for a in data["alphas"]),
                 int(data["best_gamma"]),
-                tuple(data.get("sweep", ())),
+                tuple(_list(data.get("sweep", []))),
                 dict(data.get("meta", {})),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -81,6 +91,12 @@ class Profile:
         except json.JSONDecodeError as e:
             raise SpecMTPError(f"profile {path} is not JSON: {e.msg}") from None
         return cls.from_dict(data, str(path))
+
+
+def _list(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError("sweep must be a list")
+    return value
 
 
 def default_profile_path(target: str, draft: str) -> Path:

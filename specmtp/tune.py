@@ -132,7 +132,14 @@ def build_profile(
     cost = CostModel(verify_s, fixed, per_token)
     alphas = pooled_alphas([s for g, rs in runs.items() if g > 0 for s in rs], config.max_gamma)
     plain = _tokens_per_s(runs[0])
-    sweep = [{"gamma": 0, "predicted_speedup": 1.0, "measured_speedup": 1.0, "tokens_per_s": plain}]
+    sweep = [
+        {
+            "gamma": 0,
+            "predicted_speedup": 1.0,
+            "measured_speedup": 1.0,
+            "tokens_per_s": round(plain, 3),
+        }
+    ]
     for gamma in range(1, config.max_gamma + 1):
         rs = runs[gamma]
         rounds = sum(s.rounds for s in rs)

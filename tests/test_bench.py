@@ -1,107 +1,261 @@
-"""The benchmark: its report, its aggregates, and clean errors for bad prompt files."""
+"""`specmtp bench` end to end on the default model: the report, its passes, and its errors.
+
+Two bench runs are shared by the tests of this module (each takes tens of seconds): a greedy
+run of our methods and Hugging Face's prompt lookup, and a run with a sampled pass, repeats,
+a context-length sweep and a written report. Numbers that depend on the machine's speed are
+only checked for presence and sign.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from specmtp.bench import PromptRun, summarize_method
+from specmtp.api import AUTO_MAX_GAMMA
 from specmtp.cli import main
-from specmtp.stats import GenerationStats
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SUITE = "mt_bench"  # the prompt file's folder: results are grouped by SUITE/category
 QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Repeat this: red, green, blue.", "x"]},
     {"question_id": 2, "category": "math", "turns": ["What is 2 + 2? Explain briefly."]},
     {"question_id": 3, "category": "coding", "turns": ["Write a Python function add(a, b)."]},
 ]
+GROUPS = [f"{SUITE}/writing", f"{SUITE}/math", f"{SUITE}/coding", "random"]
+NEW_TOKENS = 10
+OURS = ["ngram", "ngram@hf", "ngram@auto"]
+SCHEDULES = {
+    "ar": "plain",
+    "ngram": "fixed:4",
+    "ngram@hf": "heuristic",
+    "ngram@auto": "adaptive",
+    "hf-prompt-lookup": "fixed:4",
+}
+PROGRESS = ("loading target ", "preparing ", "warming up ")
+FAST = ["--max-new-tokens", str(NEW_TOKENS), "--warmup", "0", "--threads", "1"]
 
 
-@pytest.fixture
-def questions(tmp_path: Path) -> Path:
-    path = tmp_path / "question.jsonl"
+def write_questions(folder: Path) -> Path:
+    path = folder / SUITE / "question.jsonl"
+    path.parent.mkdir(parents=True)
     path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     return path
 
 
+def run_captured(*argv: str) -> tuple[int, str, str]:
+    """main() with stdout and stderr captured, for fixtures shared by several tests."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
 def run_cli(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    # capfd, not capsys: transformers' log handlers write to the stderr they started with.
     code = main(list(argv))
     out, err = capfd.readouterr()
     return code, out, err
 
 
-def test_bench_report(capfd: pytest.CaptureFixture[str], questions: Path) -> None:
-    argv = ["bench", "--prompts", str(questions), "--draft", "ngram", "--max-new-tokens", "16"]
-    argv += ["--threads", "1"]  # steadier on a shared machine
-    code, out, err = run_cli(capfd, *argv)
+def assert_one_line_error(code: int, out: str, err: str, message: str) -> None:
+    """Exit 2 and one error line, last; before it at most the bench's progress lines."""
+    assert code == 2, err
+    assert out == ""
+    *before, last = err.strip().splitlines()
+    assert last.startswith("specmtp: error: "), err
+    assert message.lower() in last.lower()
+    assert all(line.startswith(PROGRESS) for line in before), err
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_questions(tmp_path_factory.mktemp("prompts"))
+
+
+@pytest.fixture(scope="module")
+def greedy(questions: Path) -> tuple[str, str, dict[str, Any]]:
+    """Greedy bench: 3 questions and a random prompt; 3 of our schedules and HF's lookup."""
+    drafts = [flag for spec in [*OURS, "hf-prompt-lookup"] for flag in ("--draft", spec)]
+    code, out, err = run_captured(
+        "bench", "--prompts", str(questions), "--prompts", "random:1x12", *drafts, *FAST
+    )
     assert code == 0, err
+    return out, err, json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def sampled(
+    questions: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, str, dict[str, Any], Path]:
+    """A greedy pass plus one at 0.8, repeated twice, a 64-token context sweep, a report."""
+    out_dir = tmp_path_factory.mktemp("report")
+    code, out, err = run_captured(
+        "bench", "--prompts", str(questions), "--limit", "2", "--draft", "ngram",
+        "--temperatures", "0.8", "--repeats", "2", "--context", "64", "--context-prompts", "1",
+        "--out", str(out_dir), *FAST,
+    )  # fmt: skip
+    assert code == 0, err
+    return out, err, json.loads(out.strip().splitlines()[-1]), out_dir
+
+
+def test_table_first_json_last(greedy: tuple[str, str, dict[str, Any]]) -> None:
+    out, err, report = greedy
     lines = out.strip().splitlines()
     assert lines[0].split()[:3] == ["method", "latency", "s"]
-    report = json.loads(lines[-1])
-    assert set(report["methods"]) == {"ar", "ngram"}
-    assert report["config"]["num_prompts"] == 3
-    assert report["config"]["max_new_tokens"] == 16
-    ar, ngram = report["methods"]["ar"], report["methods"]["ngram"]
-    assert ar["speedup"] == 1.0
-    assert ar["mean_accepted_tokens"] == 1.0
-    for method in (ar, ngram):
-        assert method["greedy_mismatches"] == 0
-        assert method["new_tokens"] == ar["new_tokens"]
-        assert method["tokens_per_s"] > 0 and method["latency_s"] > 0
-        assert len(method["acceptance_per_position"]) == report["config"]["gamma"]
-        assert [p["question_id"] for p in method["per_prompt"]] == [1, 2, 3]
-    assert ngram["mean_accepted_tokens"] >= 1.0
-    assert "[3/3] question 3 ngram" in err  # progress goes to stderr
+    assert [line.split()[0] for line in lines[2:-1]] == ["ar", *OURS, "hf-prompt-lookup"]
+    assert set(report) == {
+        "methods", "by_temperature", "context_sweep", "gamma_sweep", "cost_model", "config",
+    }  # fmt: skip
+    # progress goes to stderr: [i/n] GROUP QUESTION_ID METHOD: ...
+    assert f"[3/4] {SUITE}/coding 3 ngram@auto: {NEW_TOKENS} tokens in " in err
+    assert "[4/4] random 1 hf-prompt-lookup: " in err
 
 
-def test_bench_sampling_repeats(capfd: pytest.CaptureFixture[str], questions: Path) -> None:
-    """Sampled runs report no mismatch count; repeats reuse the seed, so outputs agree."""
-    argv = ["bench", "--prompts", str(questions), "--limit", "1", "--repeats", "2"]
-    flags = ["--warmup", "0", "--max-new-tokens", "8", "--temperature", "0.8", "--draft", "ngram"]
-    flags += ["--threads", "1"]
-    code, out, err = run_cli(capfd, *argv, *flags)
-    assert code == 0, err
-    report = json.loads(out.strip().splitlines()[-1])
-    assert report["config"]["num_prompts"] == 1
+def test_every_method_is_lossless(greedy: tuple[str, str, dict[str, Any]]) -> None:
+    methods = greedy[2]["methods"]
+    assert list(methods) == ["ar", *OURS, "hf-prompt-lookup"]
+    ar = methods["ar"]
+    assert ar["speedup"] == 1.0 and ar["mean_accepted_tokens"] == 1.0
+    for name, m in methods.items():
+        assert m["greedy_mismatches"] == 0, name
+        assert m["new_tokens"] == ar["new_tokens"], name
+        ar_tokens = [p["new_tokens"] for p in ar["per_prompt"]]
+        assert [p["new_tokens"] for p in m["per_prompt"]] == ar_tokens, name
+        assert [p["question_id"] for p in m["per_prompt"]] == [1, 2, 3, 1], name
+        assert m["tokens_per_s"] > 0 and m["latency_s"] > 0, name
+
+
+def test_cost_model_prediction_for_ours_only(greedy: tuple[str, str, dict[str, Any]]) -> None:
+    report = greedy[2]
+    methods = report["methods"]
+    for name in ["ar", *OURS]:
+        m = methods[name]
+        assert isinstance(m["predicted_speedup"], float) and m["predicted_speedup"] > 0, name
+        assert isinstance(m["efficiency"], float) and m["efficiency"] > 0, name
+        assert m["efficiency"] == pytest.approx(m["speedup"] / m["predicted_speedup"], rel=1e-3)
+        assert m["mean_accepted_tokens"] >= 1.0, name
+    # Plain decoding, one T(1) per token, against plain decoding's T(1): exactly 1.
+    ar_rounds = sum(methods["ar"]["requested_gammas"].values())
+    assert ar_rounds == methods["ar"]["new_tokens"]
+    assert methods["ar"]["predicted_speedup"] == 1.0
+    hf = methods["hf-prompt-lookup"]
+    assert hf["predicted_speedup"] is None and hf["efficiency"] is None
+    assert hf["mean_accepted_tokens"] is None and hf["acceptance_per_position"] == []
+    assert set(report["cost_model"]["verify_s"]) >= {"1", "2"}
+    assert all(t > 0 for t in report["cost_model"]["verify_s"].values())
+
+
+def test_latency_and_memory(greedy: tuple[str, str, dict[str, Any]]) -> None:
+    for name, m in greedy[2]["methods"].items():
+        assert m["ttft_s"] > 0 and m["tpot_s"] >= 0, name
+        assert m["ttft_s"] <= max(p["latency_s"] for p in m["per_prompt"]), name
+        assert m["peak_rss_bytes"] > 0, name
+    for name in ["ar", *OURS]:
+        assert greedy[2]["methods"][name]["kv_cache_bytes"] > 0, name
+    assert greedy[2]["methods"]["hf-prompt-lookup"]["kv_cache_bytes"] is None  # not ours to see
+
+
+def test_per_group(greedy: tuple[str, str, dict[str, Any]]) -> None:
+    for name, m in greedy[2]["methods"].items():
+        assert list(m["per_group"]) == GROUPS, name
+        assert {g["num_prompts"] for g in m["per_group"].values()} == {1}
+        assert all(g["tokens_per_s"] > 0 for g in m["per_group"].values())
+    ar_groups = greedy[2]["methods"]["ar"]["per_group"]
+    assert {g["speedup"] for g in ar_groups.values()} == {1.0}
+
+
+def test_schedules_and_requested_gammas(greedy: tuple[str, str, dict[str, Any]]) -> None:
+    methods = greedy[2]["methods"]
+    assert {name: m["schedule"] for name, m in methods.items()} == SCHEDULES
+    asked = {
+        name: {int(g): n for g, n in m["requested_gammas"].items()} for name, m in methods.items()
+    }
+    assert asked["ar"] == {0: methods["ar"]["new_tokens"]}
+    # Fixed γ 4 and the heuristic's start: every prompt's first round asks 4.
+    for name in ("ngram", "ngram@hf"):
+        assert asked[name][4] >= 4, name
+    assert max(asked["ngram"]) == 4
+    assert max(asked["ngram@auto"]) <= AUTO_MAX_GAMMA  # no profile: the default largest γ
+    assert len(methods["ngram@auto"]["acceptance_per_position"]) == AUTO_MAX_GAMMA
+    assert len(methods["ngram"]["acceptance_per_position"]) == 4
+    assert asked["hf-prompt-lookup"] == {}
+
+
+def test_config(greedy: tuple[str, str, dict[str, Any]], questions: Path) -> None:
+    config = greedy[2]["config"]
+    assert config["drafts"] == [*OURS, "hf-prompt-lookup"]
+    assert config["prompts"] == [str(questions), "random:1x12"]
+    assert config["num_prompts"] == 4
+    assert config["max_new_tokens"] == NEW_TOKENS
+    assert config["temperatures"] == [0.0]
+    assert config["warmup"] == 0 and config["repeats"] == 1 and config["torch_threads"] == 1
+    assert greedy[2]["by_temperature"].keys() == {"0.0"}
+    assert greedy[2]["context_sweep"] == [] and greedy[2]["gamma_sweep"] == {}
+
+
+def test_second_temperature_pass(sampled: tuple[str, str, dict[str, Any], Path]) -> None:
+    out, _, report, _ = sampled
+    assert report["config"]["temperatures"] == [0.0, 0.8]
+    by_t = report["by_temperature"]
+    assert list(by_t) == ["0.0", "0.8"]
+    assert {n: m["speedup"] for n, m in by_t["0.0"].items()} == {
+        n: m["speedup"] for n, m in report["methods"].items()
+    }
+    assert [m["greedy_mismatches"] for m in by_t["0.0"].values()] == [0, 0]
+    assert [m["greedy_mismatches"] for m in by_t["0.8"].values()] == [None, None]
+    assert all(m["new_tokens"] > 0 and m["tokens_per_s"] > 0 for m in by_t["0.8"].values())
+    assert "\ntemperature 0.8:\nmethod " in out
+
+
+def test_repeats_run_every_method_again(sampled: tuple[str, str, dict[str, Any], Path]) -> None:
+    _, err, report, _ = sampled
     assert report["config"]["repeats"] == 2
-    assert report["config"]["torch_threads"] == 1
-    assert all(m["greedy_mismatches"] is None for m in report["methods"].values())
-    assert err.count("question 1 ngram") == 2
+    # two passes (temperatures 0.0 and 0.8), each running the prompt twice
+    assert err.count(f"[1/2] {SUITE}/writing 1 ngram: ") == 4
+    assert err.count(f"[2/2] {SUITE}/math 2 ar: ") == 4
 
 
-def _run(tokens: list[int], accepted_per_round: list[int], latency: float) -> PromptRun:
-    stats = GenerationStats(gamma=2)
-    for accepted in accepted_per_round:
-        stats.record_round(2, accepted, verified=3, requested=2)
-    stats.new_tokens = len(tokens)
-    return PromptRun(0, tokens, stats, [latency, latency * 3, latency])
+def test_context_sweep(sampled: tuple[str, str, dict[str, Any], Path]) -> None:
+    out, err, report, _ = sampled
+    [point] = report["context_sweep"]
+    assert point["context_tokens"] == 64
+    assert point["prompt_tokens"] >= 64  # the chat template adds a few
+    assert list(point["methods"]) == ["ar", "ngram"]
+    assert [m["greedy_mismatches"] for m in point["methods"].values()] == [0, 0]
+    assert point["methods"]["ngram"]["speedup"] > 0
+    assert "context 64 tokens: ar 1.00x, ngram " in out
+    assert f"[1/1] {SUITE}/writing 1 ngram: " in err
 
 
-def test_aggregates_weight_by_rounds_and_tokens() -> None:
-    baseline = [_run([1] * 4, [0] * 4, 1.0), _run([2] * 2, [0] * 2, 1.0)]
-    method = [_run([1] * 4, [2, 0], 0.5), _run([9] * 2, [0, 0], 0.5)]
-    result = summarize_method("m", method, baseline, greedy=True)
-    assert result.mean_accepted_tokens == pytest.approx(6 / 4)  # (2 accepted + 4 rounds) / 4
-    assert result.acceptance_per_position == [pytest.approx(1 / 4), pytest.approx(1 / 4)]
-    assert result.latency_s == pytest.approx(0.5)  # the median of each prompt's repeats
-    assert result.tokens_per_s == pytest.approx(6 / 1.0)
-    assert result.speedup == pytest.approx(2.0)
-    assert result.greedy_mismatches == 1
-    assert summarize_method("m", method, baseline, greedy=False).greedy_mismatches is None
+def test_report_files(sampled: tuple[str, str, dict[str, Any], Path]) -> None:
+    _, err, report, out_dir = sampled
+    assert json.loads((out_dir / "result.json").read_text()) == report
+    markdown = (out_dir / "report.md").read_text()
+    assert "ngram" in markdown
+    pngs = sorted(out_dir.glob("*.png"))
+    assert pngs
+    assert all(p.read_bytes().startswith(PNG_MAGIC) for p in pngs)
+    assert all(p.name in markdown for p in pngs)
+    assert f"report: {out_dir / 'report.md'}" in err
 
 
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ("", "no prompts"),
-        ("\n\n", "no prompts"),
+        ("", "holds no prompts"),
+        ("\n\n", "holds no prompts"),
         ('{"turns": ["ok"]}\n{"turns": ["fine"]\n', "line 2: bad json"),
-        ('{"question_id": 1, "category": "x"}\n', "line 1: missing 'turns'"),
-        ('{"turns": []}\n', "missing 'turns'"),
-        ('{"turns": [""]}\n', "non-empty string"),
-        ('["a list"]\n', "json object"),
-        (b"\xff\xfe\x00bad", "cannot read"),
+        ('{"question_id": 1, "category": "x"}\n', "line 1: unknown record with keys"),
+        ('{"turns": []}\n', "'turns' must be a non-empty list"),
+        ('{"turns": [""]}\n', "first turn must be a non-empty string"),
+        ('{"task_id": "t", "prompt": 3}\n', "'prompt' must be a non-empty string"),
+        ('["a list"]\n', "expected a json object"),
+        (b"\xff\xfe\x00bad", "cannot read prompts file"),
     ],
 )
 def test_bad_prompt_files(
@@ -112,31 +266,103 @@ def test_bad_prompt_files(
         path.write_bytes(content)
     else:
         path.write_text(content)
-    code, out, err = run_cli(capfd, "bench", "--prompts", str(path))
-    assert code == 2
-    assert out == ""
-    assert len(err.strip().splitlines()) == 1, err
-    assert err.startswith("specmtp: error: ")
-    assert message in err.lower()
+    code, out, err = run_cli(capfd, "bench", "--prompts", str(path), "--draft", "ngram", *FAST)
+    assert_one_line_error(code, out, err, message)
+    assert str(path) in err
 
 
 @pytest.mark.parametrize(
-    "flags",
+    ("flags", "message"),
     [
-        ["--prompts", "/no/such/file.jsonl"],
-        ["--prompts", "."],
-        ["--limit", "0"],
-        ["--repeats", "0"],
-        ["--warmup", "-1"],
-        ["--draft", "ar"],
-        ["--draft", "ngram", "--draft", "ngram"],
-        ["--gamma", "0"],
+        (["--prompts", "/no/such/file.jsonl"], "cannot read prompts file"),
+        (["--prompts", "."], "cannot read prompts file"),
+        (["--prompts", "random:0x5"], "count and length >= 1"),
+        (["--prompts", "random:5"], "bad prompts spec"),
+        (["--limit", "0"], "limit must be >= 1"),
+        (["--per-category", "0"], "per_category must be >= 1"),
+        (["--repeats", "0"], "repeats"),
+        (["--warmup", "-1"], "warmup"),
+        (["--temperatures", "x"], "--temperatures takes comma-separated numbers"),
+        (["--temperatures", "0.7,-1"], "temperature must be >= 0"),
+        (["--context", "4"], "context lengths must be >= 8"),
+        (["--context", "256,x"], "--context takes comma-separated numbers"),
+        (["--context-prompts", "0"], "context-prompts"),
+        (["--draft", "hf-assisted"], "hf-assisted needs its assistant"),
+        (["--draft", "hf-prompt-lookup:x"], "bad 'hf-prompt-lookup:x'"),
+        (["--draft", "hf-prompt-lookup@auto"], "fixed γ >= 1"),
+        (["--draft", "hf-beam"], "unknown hugging face method"),
+        (["--draft", "ngram@zz"], "gamma must be a number, auto, best or hf"),
+        (["--draft", "ngram:0"], "bad n-gram draft spec"),
+        (["--gamma", "0"], "gamma must be >= 1"),
+        (["--gamma", "x"], "gamma must be a number"),
+        (["--draft", "ar"], "each method must be named once"),
+        (["--draft", "ngram", "--draft", "ngram"], "each method must be named once"),
+        (["--max-memory", "10X"], "bad size '10X'"),
+        (["--max-memory", "1K"], "is too small"),
     ],
 )
 def test_bad_bench_flags(
-    capfd: pytest.CaptureFixture[str], questions: Path, flags: list[str]
+    capfd: pytest.CaptureFixture[str], questions: Path, flags: list[str], message: str
 ) -> None:
-    code, _, err = run_cli(capfd, "bench", "--prompts", str(questions), *flags)
-    assert code == 2
-    assert len(err.strip().splitlines()) == 1, err
-    assert err.startswith("specmtp: error: ")
+    code, out, err = run_cli(capfd, "bench", "--prompts", str(questions), *FAST, *flags)
+    assert_one_line_error(code, out, err, message)
+
+
+@pytest.fixture
+def no_profiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, specmtp_cache: Path) -> Path:
+    """A cache holding the session's converted models and no tuning profiles."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for entry in specmtp_cache.iterdir():
+        if entry.is_dir() and entry.name != "profiles":
+            (cache / entry.name).symlink_to(entry, target_is_directory=True)
+    monkeypatch.setenv("SPECMTP_CACHE", str(cache))
+    return cache
+
+
+def test_best_gamma_needs_a_profile(
+    capfd: pytest.CaptureFixture[str], questions: Path, no_profiles: Path
+) -> None:
+    code, out, err = run_cli(
+        capfd, "bench", "--prompts", str(questions), "--draft", "ngram@best", *FAST
+    )
+    assert_one_line_error(code, out, err, "gamma 'best' needs a tuning profile")
+    assert not (no_profiles / "profiles").exists()
+
+
+@pytest.mark.parametrize(
+    ("size", "message"),
+    [("1K", "max-memory 1.0 KiB is too small"), ("10X", "bad size '10X'"), ("0", "positive")],
+)
+def test_generate_memory_budget_errors(
+    capfd: pytest.CaptureFixture[str], size: str, message: str
+) -> None:
+    argv = ["generate", "Hello", "--draft", "ngram", "--max-memory", size, *FAST[:2]]
+    code, out, err = run_cli(capfd, *argv)
+    assert_one_line_error(code, out, err, message)
+
+
+def test_generate_within_a_memory_budget(capfd: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(
+        capfd, "generate", "Hello", "--draft", "ngram", "--max-memory", "2G", "--json", *FAST[:2]
+    )
+    assert code == 0, err
+    stats = json.loads(out.strip().splitlines()[-1])
+    assert 0 < stats["new_tokens"] <= NEW_TOKENS
+
+
+def test_bench_gamma_flag_sets_the_default_schedule(capfd: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(
+        capfd, "bench", "--prompts", "random:1x8", "--draft", "ngram", "--gamma", "hf",
+        "--max-new-tokens", "4", "--warmup", "0", "--threads", "1",
+    )  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["methods"]["ngram"]["schedule"] == "heuristic"
+
+
+def test_context_sweep_needs_text_prompts(capfd: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(
+        capfd, "bench", "--prompts", "random:1x8", "--draft", "ngram", "--context", "64",
+        "--max-new-tokens", "2", "--warmup", "0", "--threads", "1",
+    )  # fmt: skip
+    assert_one_line_error(code, out, err, "context")
