@@ -120,6 +120,8 @@ def fit_draft_cost(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     if len(set(ks)) == 1:
         return 0.0, statistics.fmean(s for _, s in points) / ks[0]
     slope, intercept = statistics.linear_regression(ks, [s for _, s in points])
+    if slope < 0:  # cheaper per round when drafting more is noise: a flat cost
+        return statistics.fmean(s for _, s in points), 0.0
     if intercept < 0:  # a negative fixed cost is noise: refit through the origin
         return 0.0, sum(k * s for k, s in points) / sum(k * k for k in ks)
     return intercept, max(0.0, slope)

@@ -131,19 +131,27 @@ class SpecDecoder:
             return HeuristicGamma(config.gamma)
         if config.schedule == "adaptive" and self.drafter is not None:
             cost = self.cost_model(prompt_ids, config.gamma)
-            return AdaptiveGamma(cost, max_gamma=config.gamma, prior=self.prior_alphas)
+            # Sampling: γ must not depend on wall-clock timings, or a seed would not fix
+            # the output (γ decides how the generator's numbers are used).
+            return AdaptiveGamma(
+                cost,
+                max_gamma=config.gamma,
+                prior=self.prior_alphas,
+                timing_feedback=config.sampling.greedy,
+            )
         return FixedGamma(config.gamma)
 
     def cost_model(self, prompt_ids: Sequence[int], gamma: int) -> CostModel:
         """The cost model given at construction, or one measured now (T(n) only; the
         adaptive schedule then learns the draft cost while generating)."""
         given = self._cost_model
-        if given is None or len(given.verify_s) < gamma + 1:
-            # Measured after (part of) this prompt, leaving room for gamma + 1 more tokens.
-            room = max(2, self.context_length - gamma - 1)
-            ids = list(prompt_ids)[:room]
+        if given is None or len(given.verify_s) < min(gamma + 1, self.context_length - 1):
+            # Measured after (part of) this prompt, leaving room for gamma + 1 more tokens;
+            # a context too short for that measures what fits (the model extrapolates).
+            ids = list(prompt_ids)[: max(2, self.context_length - gamma - 1)]
             ids = ids * 2 if len(ids) < 2 else ids
-            costs = measure_verify_costs(self.target, ids, max_tokens=gamma + 1, repeats=3)
+            largest = max(1, min(gamma + 1, self.context_length - len(ids) + 1))
+            costs = measure_verify_costs(self.target, ids, max_tokens=largest, repeats=3)
             self._cost_model = given = CostModel(costs)
         return given
 
@@ -181,12 +189,13 @@ class SpecDecoder:
             per_token += self.drafter.kv_bytes_per_token()
         weights = tensor_bytes(tensors)
         positions = (budget - weights) // per_token
-        needed = prompt_tokens + config.max_new_tokens
+        # The cache peaks at the prompt plus every new token but the last (never fed back).
+        needed = prompt_tokens + config.max_new_tokens - 1
         if positions < needed:
             raise SpecMTPError(
                 f"max-memory {_size(budget)} is too small: weights take {_size(weights)} and "
                 f"the KV cache of {prompt_tokens} prompt + {config.max_new_tokens} new tokens "
-                f"{_size(needed * per_token)} (at most {max(0, positions - prompt_tokens)} "
+                f"{_size(needed * per_token)} (at most {max(0, positions - prompt_tokens + 1)} "
                 "new tokens fit)"
             )
         return positions

@@ -6,6 +6,8 @@ A schedule is asked for each round's γ and told what the round did. Three kinds
   every draft, -1 (not below 1) otherwise.
 - adaptive: per sequence, acceptance estimates α_i updated as tokens are accepted, and the γ
   that maximises expected tokens per second under a measured cost model (costmodel.py).
+  Under sampling it ignores wall-clock timings (a seed must fix the output, and γ decides
+  how the generator's numbers are used): only acceptances and the given costs steer it.
   It includes a never-slower guard: when no γ >= 1 is predicted to beat plain decoding, it
   drafts nothing, and probes with γ = 1 now and then (at growing intervals) in case the
   text has become predictable again.
@@ -94,11 +96,13 @@ class AdaptiveGamma:
         max_gamma: int,
         prior: Sequence[float] = (),
         settings: AdaptiveSettings = AdaptiveSettings(),
+        timing_feedback: bool = True,
     ) -> None:
         self.cost = cost
         self.max_gamma = max_gamma
         self.settings = settings
-        self.prior = [prior[i] if i < len(prior) else 0.5 for i in range(max_gamma)]
+        self.prior = list(prior[:max_gamma])
+        self.timing_feedback = timing_feedback
         self.reached = [0.0] * max_gamma
         self.accepted = [0.0] * max_gamma
         self.target_speed = 1.0  # measured / modelled seconds
@@ -112,11 +116,15 @@ class AdaptiveGamma:
 
     @property
     def alphas(self) -> list[float]:
+        """Estimates per position. Past the profile's prior, a position's prior is the
+        estimate of the one before it, so a drafter that is always right is not held back
+        at a short γ by positions it has not tried yet (0.5 before any evidence)."""
         s = self.settings.prior_strength
-        return [
-            (a + s * p) / (r + s)
-            for a, r, p in zip(self.accepted, self.reached, self.prior, strict=True)
-        ]
+        estimates: list[float] = []
+        for i, (a, r) in enumerate(zip(self.accepted, self.reached, strict=True)):
+            p = self.prior[i] if i < len(self.prior) else estimates[-1] if estimates else 0.5
+            estimates.append((a + s * p) / (r + s))
+        return estimates
 
     def current_cost(self) -> CostModel:
         """The cost model at this machine's current speed."""
@@ -140,7 +148,10 @@ class AdaptiveGamma:
         return 0
 
     def update(self, record: RoundRecord) -> None:
-        self._update_speeds(record)
+        if self.timing_feedback:
+            self._update_speeds(record)
+        elif record.requested:
+            self.verified[record.requested] = record.verified
         if record.requested == 0:
             self.plain_rounds += 1
             return
