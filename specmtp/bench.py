@@ -30,6 +30,7 @@ from specmtp.config import GenerationConfig
 from specmtp.costmodel import CostModel, measure_verify_costs
 from specmtp.errors import SpecMTPError
 from specmtp.hf_baselines import HFGenerator, HFSettings
+from specmtp.kernels import KernelPlan, measure_kernel_plan, tuned_linear_enabled
 from specmtp.models import LoadedModel, load_model
 from specmtp.profile import Profile, find_profile
 from specmtp.prompts import BenchPrompt, context_text, load_prompt_spec
@@ -260,6 +261,7 @@ class BenchResult:
     by_temperature: dict[str, dict[str, MethodResult]] = field(default_factory=dict)
     context_sweep: list[dict[str, Any]] = field(default_factory=list)
     gamma_sweep: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    kernel_plan: KernelPlan | None = None
 
     def config_dict(self) -> dict[str, Any]:
         gen = self.config.generation
@@ -284,6 +286,8 @@ class BenchResult:
             "efficiency": "speedup / predicted_speedup; the prediction uses T(n) measured in "
             "this run for every verify pass, the drafter's measured time and the prefill",
             "torch_threads": torch.get_num_threads(),
+            "kernels": "tuned" if tuned_linear_enabled() else "plain",
+            "kernel_plan": None if self.kernel_plan is None else self.kernel_plan.by_rows,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -395,6 +399,9 @@ def run_bench(config: BenchConfig, *, log: Log = log_to_stderr) -> BenchResult:
     warmup = replace(
         config.generation, max_new_tokens=min(WARMUP_TOKENS, config.generation.max_new_tokens)
     )
+    plan = measure_kernel_plan(plain.gen.decoder.target, ids[0])
+    if plan is not None:
+        log(f"kernel plan (transposed product by rows): {plan.by_rows}")
     for runner in runners.values():
         if isinstance(runner, SpecRunner) and runner.settings.get("schedule") == "adaptive":
             # The adaptive schedule measures T(n) on first use: not inside a timed run.
@@ -404,7 +411,7 @@ def run_bench(config: BenchConfig, *, log: Log = log_to_stderr) -> BenchResult:
         for _ in range(config.warmup):
             runner.run(ids[0], warmup)
     methods = _pass(runners, prompts, ids, config.generation, config, log)
-    result = BenchResult(config, len(prompts), methods)
+    result = BenchResult(config, len(prompts), methods, kernel_plan=plan)
     result.by_temperature[str(config.generation.sampling.temperature)] = methods
     for t in config.temperatures:
         generation = replace(

@@ -25,6 +25,7 @@ from specmtp.api import SpecGenerator, gamma_settings, make_config
 from specmtp.bench import BenchConfig, log_to_stderr, run_bench
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.errors import SpecMTPError
+from specmtp.kernels import set_tuned_linear
 from specmtp.profile import Profile, find_profile
 from specmtp.report import plot_tune, write_report
 from specmtp.train import TrainConfig, train_mtp
@@ -39,6 +40,12 @@ _SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def _add_common_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--plain-kernels",
+        action="store_true",
+        help="use F.linear everywhere instead of the measured faster kernel for few-row "
+        "products on CPU (see specmtp.kernels)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -375,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _set_threads(args.threads)
+        set_tuned_linear(not getattr(args, "plain_kernels", False))
         return args.run(args)
     except SpecMTPError as e:
         print(f"specmtp: error: {_one_line(str(e))}", file=sys.stderr)

@@ -35,6 +35,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging as hf_logging
 
 from specmtp.errors import SpecMTPError
+from specmtp.kernels import tuned_linear_enabled, use_tuned_linear
 
 DEFAULT_SPEC = "default"
 
@@ -109,6 +110,8 @@ def load_model(
         )
     model.eval()
     model.requires_grad_(False)
+    if tuned_linear_enabled() and model.device.type == "cpu":
+        use_tuned_linear(model)
     _ensure_eos(spec, tokenizer, model)
     return LoadedModel(
         model=model,

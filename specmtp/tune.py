@@ -29,6 +29,7 @@ from specmtp.costmodel import (
 )
 from specmtp.data import load_train_prompts
 from specmtp.errors import SpecMTPError
+from specmtp.kernels import measure_kernel_plan
 from specmtp.models import load_model
 from specmtp.profile import Profile, default_profile_path
 from specmtp.stats import GenerationStats
@@ -174,6 +175,9 @@ def run_tune(config: TuneConfig, *, log: Log) -> Profile:
     target = load_model(config.target)
     plain, spec = SpecGenerator(target), SpecGenerator(target, draft=config.draft)
     prompt_ids = [plain.encode(text, chat=True) for text in texts]
+    plan = measure_kernel_plan(spec.decoder.target, prompt_ids[0])
+    if plan is not None:
+        log(f"kernel plan (transposed product by rows): {plan.by_rows}")
     warmup = replace(_generation(config, config.max_gamma), max_new_tokens=8)
     for gen in (plain, spec):
         gen.decoder.generate(prompt_ids[0], warmup)
@@ -184,6 +188,7 @@ def run_tune(config: TuneConfig, *, log: Log) -> Profile:
         spec.decoder.target, prompt_ids[0], max_tokens=max(largest, config.max_gamma + 1)
     )
     profile = build_profile(config, runs, verify_s)
+    profile.meta["kernel_plan"] = None if plan is None else plan.by_rows
     profile.save(config.profile_path)
     return profile
 
