@@ -99,24 +99,31 @@ class SpecDecoder:
             proposal, draft_s = self._draft(context, k, config, generator, max_positions)
             verdict, verify_s = self._verify(context, proposal, config, generator, stats)
             outcome = self._commit(context, proposal, verdict, k, stats)
-            record = RoundRecord(
-                k, proposal.depth, outcome.num_accepted, outcome.verified, draft_s, verify_s
+            accepted = outcome.num_accepted
+            schedule.update(
+                RoundRecord(k, proposal.depth, accepted, outcome.verified, draft_s, verify_s)
             )
-            schedule.update(record)
             if self.drafter is not None:
                 self.drafter.observe(outcome)
             new = outcome.context[0, context.shape[1] :].tolist()
             context = outcome.context
             block = self._apply_stops(new, generated, config, stats)
             generated += block
-            if not stats.finish_reason and context.shape[1] > self.context_length:
-                stats.finish_reason = "context"
-            stats.new_tokens = len(generated)
-            stats.total_s = time.perf_counter() - start
-            stats.draft_s += draft_s
-            stats.verify_s += verify_s
-            stats.first_token_s = stats.first_token_s or stats.total_s
+            self._account(stats, context.shape[1], len(generated), draft_s, verify_s, start)
             yield block
+
+    def _account(
+        self, stats: GenerationStats, n: int, generated: int, draft_s: float, verify_s: float,
+        start: float,
+    ) -> None:  # fmt: skip
+        """Bring the run's statistics up to date after a round."""
+        if not stats.finish_reason and n > self.context_length:
+            stats.finish_reason = "context"
+        stats.new_tokens = generated
+        stats.total_s = time.perf_counter() - start
+        stats.draft_s += draft_s
+        stats.verify_s += verify_s
+        stats.first_token_s = stats.first_token_s or stats.total_s
 
     def _prefill(self, context: torch.Tensor, stats: GenerationStats) -> None:
         self.target.reset()
