@@ -14,6 +14,7 @@ from specmtp.decode import SpecDecoder
 from specmtp.drafters import Drafter, DraftModelDrafter, MTPDrafter, NgramDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.heads import load_heads, shipped_heads_dir
+from specmtp.kernels import apply_kernel_plan
 from specmtp.models import LoadedModel, check_tokenizers_agree, load_model, usable_vocab_size
 from specmtp.profile import Profile
 from specmtp.stats import GenerationStats
@@ -105,6 +106,8 @@ class SpecGenerator:
         self.target = target if isinstance(target, LoadedModel) else load_model(target, dtype=dtype)
         drafter, vocab = build_drafter(draft, self.target, dtype=dtype)
         self.profile = profile
+        if profile is not None:  # the kernel plan measured with the profile, if any
+            apply_kernel_plan(self.target.model, profile.meta.get("kernel_plan"))
         tokenizer = self.target.tokenizer
         self.decoder = SpecDecoder(
             self.target.model,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +63,7 @@ def transposed_linear(
 ) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # [M, in]
     out = (weight @ rows.T).T  # [out, in] @ [in, M] -> [M, out]
-    if bias is not None:
-        out = out + bias
+    out = out.contiguous() if bias is None else out + bias  # callers may .view() it
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -85,14 +85,21 @@ class TunedLinear(nn.Linear):
 
 def use_tuned_linear(model: nn.Module) -> KernelPlan:
     """Swap every plain nn.Linear of `model` for TunedLinear sharing one (default) plan."""
-    plan = KernelPlan()
+    plan = kernel_plan(model) or KernelPlan()  # a second call keeps the plan in use
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for module in model.modules():
-        if type(module) is nn.Linear:
+        if type(module) in (nn.Linear, TunedLinear):
             module.__class__ = TunedLinear
             module.kernel_plan = plan
             module.is_head = module is head
     return plan
+
+
+def apply_kernel_plan(model: nn.Module, by_rows: dict[Any, str] | None) -> None:
+    """Use a plan measured earlier (a tuning profile's); keys may be JSON strings."""
+    plan = kernel_plan(model)
+    if plan is not None and by_rows:
+        plan.by_rows = {int(rows): strategy for rows, strategy in by_rows.items()}
 
 
 def kernel_plan(model: nn.Module) -> KernelPlan | None:
@@ -116,12 +123,17 @@ def measure_kernel_plan(
         return None
     rows = min(max_rows, MAX_ROWS)
     sweeps: dict[str, list[tuple[float, ...]]] = {s: [] for s in STRATEGIES}
-    for _ in range(repeats):
-        for strategy in STRATEGIES:
-            plan.by_rows = dict.fromkeys(range(2, rows + 1), strategy)
-            sweeps[strategy].append(
-                measure_verify_costs(runner, prompt_ids, max_tokens=rows, repeats=1)
-            )
+    saved = plan.by_rows
+    try:
+        for _ in range(repeats):
+            for strategy in STRATEGIES:
+                plan.by_rows = dict.fromkeys(range(2, rows + 1), strategy)
+                sweeps[strategy].append(
+                    measure_verify_costs(runner, prompt_ids, max_tokens=rows, repeats=1)
+                )
+    except BaseException:
+        plan.by_rows = saved  # an interrupted measurement leaves the plan as it was
+        raise
     medians = {s: [statistics.median(t) for t in zip(*v, strict=True)] for s, v in sweeps.items()}
     plan.by_rows = {n: min(STRATEGIES, key=lambda s: medians[s][n - 1]) for n in range(2, rows + 1)}
     return plan

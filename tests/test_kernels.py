@@ -1,0 +1,374 @@
+"""Kernel plans: the transposed product equals F.linear, TunedLinear dispatches to it for
+exactly the modules its plan names, swapped models decode exactly as plain ones, and
+measure_kernel_plan keeps the fastest strategy per row count."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY_VOCAB, hf_greedy, perturbed_copy, tiny_model
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.pytorch_utils import Conv1D
+
+import specmtp.kernels as kernels
+from specmtp.cache import CachedModel
+from specmtp.config import GenerationConfig
+from specmtp.decode import SpecDecoder
+from specmtp.drafters import DraftModelDrafter
+from specmtp.kernels import (
+    MAX_ROWS,
+    STRATEGIES,
+    KernelPlan,
+    TunedLinear,
+    kernel_plan,
+    measure_kernel_plan,
+    set_tuned_linear,
+    transposed_linear,
+    tuned_linear_enabled,
+    use_tuned_linear,
+)
+from specmtp.models import load_model
+
+PROMPT = [5, 17, 3, 88, 41, 5, 17, 3, 60, 2]
+ROW_COUNTS = [1, 2, 3, 5, 8, 9]  # below, inside and above the planned range 2..MAX_ROWS
+# Plain nn.Linear modules of conftest's tiny models: 7 per layer (q, k, v, o, gate, up,
+# down) in 2 layers plus the LM head; GPT-2's layers are Conv1D, so only its LM head.
+LINEARS = {"llama": 15, "qwen2": 15, "gpt2": 1}
+
+
+def swapped(arch: str, strategy: str | None = None, *, seed: int = 0) -> PreTrainedModel:
+    """A tiny model with TunedLinear layers, following `strategy` for 2..MAX_ROWS rows."""
+    model = tiny_model(arch, seed=seed)
+    plan = use_tuned_linear(model)
+    if strategy is not None:
+        plan.by_rows = dict.fromkeys(range(2, MAX_ROWS + 1), strategy)
+    return model
+
+
+def tuned_modules(model: nn.Module) -> list[TunedLinear]:
+    return [m for m in model.modules() if isinstance(m, TunedLinear)]
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """The weights transposed_linear is called with, in order; it still computes."""
+    calls: list[torch.Tensor] = []
+
+    def recording(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(weight)
+        return transposed_linear(x, weight, bias)
+
+    monkeypatch.setattr(kernels, "transposed_linear", recording)
+    return calls
+
+
+@pytest.fixture
+def restore_tuned_linear() -> Iterator[None]:
+    """set_tuned_linear changes the process; keep it from leaking into other tests."""
+    enabled = tuned_linear_enabled()
+    yield
+    set_tuned_linear(enabled)
+
+
+# --- transposed_linear -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("lead", [(), (2,)], ids=["2d", "3d"])
+def test_transposed_linear_equals_f_linear(
+    dtype: torch.dtype, with_bias: bool, lead: tuple[int, ...]
+) -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(24, 48, generator=generator) / 48**0.5).to(dtype)  # [out, in]
+    bias = torch.randn(24, generator=generator).to(dtype) if with_bias else None
+    # bfloat16 keeps 8 bits of mantissa, and the two kernels add in different orders.
+    tolerance = (
+        {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    )
+    for rows in range(1, 11):
+        x = torch.randn(*lead, rows, 48, generator=generator).to(dtype)  # [..., rows, in]
+        got = transposed_linear(x, weight, bias)
+        want = F.linear(x, weight, bias)
+        assert got.shape == want.shape == (*lead, rows, 24)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, **tolerance)
+
+
+# --- KernelPlan ------------------------------------------------------------------------
+
+
+def test_default_plan_uses_the_head_for_few_rows_only() -> None:
+    plan = KernelPlan()
+    assert [plan.strategy(n) for n in range(2, MAX_ROWS + 1)] == ["head"] * (MAX_ROWS - 1)
+    for rows in (0, 1, MAX_ROWS + 1, 64):
+        assert plan.strategy(rows) == "plain"
+
+
+def test_plan_by_rows_overrides_the_default_inside_the_range_only() -> None:
+    plan = KernelPlan({2: "all", 3: "plain", 1: "all", MAX_ROWS + 1: "all"})
+    assert plan.strategy(2) == "all"
+    assert plan.strategy(3) == "plain"
+    assert plan.strategy(4) == "head"  # not named: the default
+    assert plan.strategy(1) == plan.strategy(MAX_ROWS + 1) == "plain"  # outside: always F.linear
+
+
+# --- use_tuned_linear / kernel_plan -----------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_use_tuned_linear_swaps_classes_in_place(arch: str) -> None:
+    model = tiny_model(arch, seed=0)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    head = model.get_output_embeddings()
+    tied = head.weight is model.get_input_embeddings().weight
+    conv1d = sum(isinstance(m, Conv1D) for m in model.modules())
+    assert kernel_plan(model) is None
+
+    plan = use_tuned_linear(model)
+
+    tuned = tuned_modules(model)
+    assert len(tuned) == LINEARS[arch]
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert sum(isinstance(m, Conv1D) for m in model.modules()) == conv1d  # left alone
+    assert all(m.kernel_plan is plan for m in tuned)  # one shared plan
+    assert [m for m in tuned if m.is_head] == [head]
+    assert model.get_output_embeddings() is head
+    assert kernel_plan(model) is plan
+    # The parameters are the very same tensors: nothing copied, ties kept.
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert after.keys() == params.keys()
+    assert all(after[name] is params[name] for name in params)
+    assert (head.weight is model.get_input_embeddings().weight) == tied
+    assert tied == (arch == "gpt2")
+
+
+def test_use_tuned_linear_twice_returns_the_plan_the_modules_follow() -> None:
+    model = tiny_model("llama", seed=0)
+    use_tuned_linear(model)
+    assert use_tuned_linear(model) is kernel_plan(model)
+
+
+# --- dispatch --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_transposed_kernel_runs_for_exactly_the_planned_modules(
+    strategy: str, spy: list[torch.Tensor]
+) -> None:
+    model = swapped("llama", strategy)
+    head = model.get_output_embeddings().weight
+    every = [m.weight for m in tuned_modules(model)]
+    for rows in ROW_COUNTS:
+        spy.clear()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([PROMPT[:rows] + [7] * (rows - len(PROMPT))]))
+        planned = 2 <= rows <= MAX_ROWS
+        expected = {"plain": [], "head": [head], "all": every}[strategy] if planned else []
+        assert len(spy) == len(expected), (strategy, rows)
+        assert {id(w) for w in spy} == {id(w) for w in expected}, (strategy, rows)
+
+
+def test_no_transposed_kernel_when_training_and_gradients_match(spy: list[torch.Tensor]) -> None:
+    plain, tuned = tiny_model("llama", seed=0), swapped("llama", "all")
+    tokens = torch.tensor([PROMPT[:4]])
+    losses = [model(input_ids=tokens).logits.square().mean() for model in (plain, tuned)]
+    for loss in losses:
+        loss.backward()
+    assert spy == []  # weights that need gradients: F.linear everywhere
+    torch.testing.assert_close(losses[1], losses[0])
+    for (name, want), got in zip(plain.named_parameters(), tuned.parameters(), strict=True):
+        assert got.grad is not None, name
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("weights_need_grad", [True, False])
+def test_dispatch_follows_grad_mode_and_gradients_flow(
+    weights_need_grad: bool, spy: list[torch.Tensor]
+) -> None:
+    """The transposed kernel only where no weight gradient is wanted; the input's gradient
+    is F.linear's either way."""
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(16, 8))
+    plan = use_tuned_linear(layer)
+    plan.by_rows = {3: "all"}
+    linear = layer[0]
+    linear.requires_grad_(weights_need_grad)
+
+    with torch.no_grad():
+        layer(torch.randn(3, 16))
+    assert len(spy) == 1  # inference: transposed, whatever requires_grad says
+
+    spy.clear()
+    x = torch.randn(3, 16, requires_grad=True)
+    out = layer(x)
+    assert len(spy) == (0 if weights_need_grad else 1)
+    x_ref = x.detach().clone().requires_grad_(True)
+    weight_ref = linear.weight.detach().clone().requires_grad_(True)
+    want = F.linear(x_ref, weight_ref, linear.bias.detach())
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn(3, 8)
+    out.backward(upstream)
+    want.backward(upstream)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    if weights_need_grad:
+        torch.testing.assert_close(linear.weight.grad, weight_ref.grad, rtol=1e-5, atol=1e-6)
+    else:
+        assert linear.weight.grad is None
+
+
+# --- whole models ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_tuned_logits_equal_plain_for_chains_of_1_to_8(
+    arch: str, strategy: str, spy: list[torch.Tensor]
+) -> None:
+    plain = CachedModel(tiny_model(arch, seed=0), vocab_size=TINY_VOCAB)
+    tuned = CachedModel(swapped(arch, strategy), vocab_size=TINY_VOCAB)
+    for runner in (plain, tuned):
+        runner.forward(torch.tensor([PROMPT]))  # 10 rows: F.linear for both
+    past = plain.length
+    generator = torch.Generator().manual_seed(1)
+    for n in range(1, MAX_ROWS + 1):
+        chain = torch.randint(TINY_VOCAB, (1, n), generator=generator)  # [1, n]
+        want, got = plain.forward(chain), tuned.forward(chain)  # [1, n, V]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        for runner in (plain, tuned):
+            runner.crop(past)
+    # The comparison is not vacuous: the transposed kernel ran as planned.
+    per_chain = {"plain": 0, "head": 1, "all": LINEARS[arch]}[strategy]
+    assert len(spy) == per_chain * (MAX_ROWS - 1)
+
+
+def test_spec_decoding_a_swapped_model_equals_hf_greedy(spy: list[torch.Tensor]) -> None:
+    target = swapped("llama", "all")
+    draft = perturbed_copy(target, scale=0.3, seed=1)
+    use_tuned_linear(draft).by_rows = dict.fromkeys(range(2, MAX_ROWS + 1), "all")
+    decoder = SpecDecoder(
+        target,
+        drafter=DraftModelDrafter(draft, vocab_size=TINY_VOCAB),
+        vocab_size=TINY_VOCAB,
+        context_length=256,
+    )
+    result = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=40, gamma=4))
+    assert spy  # verify passes of 5 rows went through the transposed kernel
+    assert 0 < result.stats.accepted_tokens < result.stats.drafted_tokens  # partly accepting
+    assert result.tokens == hf_greedy(target, PROMPT, 40)
+
+
+# --- measure_kernel_plan ---------------------------------------------------------------
+
+
+def test_measure_kernel_plan_needs_swapped_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(*args: object, **kwargs: object) -> tuple[float, ...]:
+        raise AssertionError("nothing to measure for an unswapped model")
+
+    monkeypatch.setattr(kernels, "measure_verify_costs", never)
+    runner = CachedModel(tiny_model("llama", seed=0), vocab_size=TINY_VOCAB)
+    assert measure_kernel_plan(runner, PROMPT) is None
+
+
+def test_measure_kernel_plan_on_a_tiny_model() -> None:
+    model = swapped("llama")
+    runner = CachedModel(model, vocab_size=TINY_VOCAB)
+    plan = measure_kernel_plan(runner, PROMPT, repeats=1)
+    assert plan is kernel_plan(model)
+    assert sorted(plan.by_rows) == list(range(2, MAX_ROWS + 1))
+    assert set(plan.by_rows.values()) <= set(STRATEGIES)
+    assert runner.length == 0 and runner.cache.get_seq_length() == 0
+
+
+# Seconds per forward by strategy, sweep and row count n (index n - 1). Sweeps disagree so
+# that only the median per n ranks them as intended: "all" at 2-3 rows, "head" at 4-8.
+# At 5 rows the minimum would pick "plain" and the mean "all".
+FAKE_TIMES = {
+    "plain": [
+        [1, 5, 5, 5, 0.5, 5, 5, 5],
+        [1, 5, 5, 5, 9, 5, 5, 5],
+        [1, 5, 5, 5, 9, 5, 5, 5],
+    ],
+    "head": [
+        [1, 3, 3, 2, 1, 2, 2, 2],
+        [1, 3, 3, 2, 1, 2, 2, 2],
+        [1, 3, 9, 2, 9, 9, 2, 2],
+    ],
+    "all": [
+        [1, 1, 1, 4, 2, 4, 4, 4],
+        [1, 9, 1, 4, 2, 4, 4, 4],
+        [1, 1, 1, 4, 2, 4, 4, 4],
+    ],
+}
+
+
+def test_measure_kernel_plan_keeps_the_median_fastest_per_row_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple[dict[int, str], int, int]] = []
+
+    def fake_costs(
+        runner: CachedModel, prompt_ids: list[int], *, max_tokens: int, repeats: int
+    ) -> tuple[float, ...]:
+        plan = kernel_plan(runner.model)
+        assert plan is not None
+        calls.append((dict(plan.by_rows), max_tokens, repeats))
+        strategy = plan.by_rows[2]
+        sweep = sum(1 for by_rows, _, _ in calls if by_rows[2] == strategy) - 1
+        # What each row count costs under the strategy the plan holds right now.
+        times = FAKE_TIMES[strategy][sweep]
+        return tuple(float(times[n - 1]) for n in range(1, max_tokens + 1))
+
+    monkeypatch.setattr(kernels, "measure_verify_costs", fake_costs)
+    model = swapped("llama")
+    runner = CachedModel(model, vocab_size=TINY_VOCAB)
+    plan = measure_kernel_plan(runner, PROMPT, repeats=3)
+
+    assert plan is kernel_plan(model)
+    assert plan.by_rows == {2: "all", 3: "all"} | dict.fromkeys(range(4, 9), "head")
+    # Strategies take turns sweep by sweep, each timing the whole plan once per call.
+    assert [by_rows[2] for by_rows, _, _ in calls] == list(STRATEGIES) * 3
+    for by_rows, max_tokens, repeats in calls:
+        assert sorted(by_rows) == list(range(2, MAX_ROWS + 1))
+        assert len(set(by_rows.values())) == 1
+        assert (max_tokens, repeats) == (MAX_ROWS, 1)
+    assert runner.length == 0
+
+    calls.clear()
+    plan = measure_kernel_plan(runner, PROMPT, max_rows=3, repeats=3)
+    assert plan.by_rows == {2: "all", 3: "all"}
+    assert {max_tokens for _, max_tokens, _ in calls} == {3}
+    assert plan.strategy(5) == "head"  # unmeasured row counts fall back to the default
+
+    calls.clear()
+    plan = measure_kernel_plan(runner, PROMPT, max_rows=50, repeats=3)
+    assert sorted(plan.by_rows) == list(range(2, MAX_ROWS + 1))  # capped at MAX_ROWS
+    assert {max_tokens for _, max_tokens, _ in calls} == {MAX_ROWS}
+
+
+# --- load_model ------------------------------------------------------------------------
+
+
+def test_load_model_swaps_layers_only_when_enabled(restore_tuned_linear: None) -> None:
+    """The session fixture in conftest has converted the default model into its cache."""
+    set_tuned_linear(True)
+    model = load_model("default").model
+    layers = model.config.num_hidden_layers
+    tuned = tuned_modules(model)
+    assert len(tuned) == 7 * layers + 1
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    head = model.get_output_embeddings()
+    assert [m for m in tuned if m.is_head] == [head]
+    assert kernel_plan(model) == KernelPlan()  # the default plan until measured
+    tied = head.weight is model.get_input_embeddings().weight
+    assert tied == model.config.tie_word_embeddings
+    del model, tuned, head
+
+    set_tuned_linear(False)
+    model = load_model("default").model
+    assert kernel_plan(model) is None
+    assert sum(type(m) is nn.Linear for m in model.modules()) == 7 * layers + 1
