@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -72,6 +72,7 @@ class SpecDecoder:
         # For the adaptive schedule: measured costs (from `specmtp tune`, or measured on
         # first use) and prior acceptances per draft position.
         self._cost_model = cost_model
+        self._measured: CostModel | None = None
         self.prior_alphas = tuple(prior_alphas)
 
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> GenerationResult:
@@ -137,7 +138,7 @@ class SpecDecoder:
         if config.schedule == "heuristic":
             return HeuristicGamma(config.gamma)
         if config.schedule == "adaptive" and self.drafter is not None:
-            cost = self.cost_model(prompt_ids, config.gamma)
+            cost = self.cost_model(prompt_ids, config.gamma, fresh=config.sampling.greedy)
             # Sampling: γ must not depend on wall-clock timings, or a seed would not fix
             # the output (γ decides how the generator's numbers are used).
             return AdaptiveGamma(
@@ -148,19 +149,27 @@ class SpecDecoder:
             )
         return FixedGamma(config.gamma)
 
-    def cost_model(self, prompt_ids: Sequence[int], gamma: int) -> CostModel:
-        """The cost model given at construction, or one measured now (T(n) only; the
-        adaptive schedule then learns the draft cost while generating)."""
+    def cost_model(self, prompt_ids: Sequence[int], gamma: int, *, fresh: bool = True) -> CostModel:
+        """T(n) measured in this process (once; kernels and load differ between processes)
+        with the given model's draft costs, if any. With fresh=False (sampling: a seed must
+        give the same output in every process) the given model as it is, when it covers γ.
+        Without draft costs the adaptive schedule learns them while generating."""
         given = self._cost_model
-        if given is None or len(given.verify_s) < min(gamma + 1, self.context_length - 1):
+        wanted = min(gamma + 1, self.context_length - 1)
+        if not fresh and given is not None and len(given.verify_s) >= wanted:
+            return given
+        measured = self._measured
+        if measured is None or len(measured.verify_s) < wanted:
             # Measured after (part of) this prompt, leaving room for gamma + 1 more tokens;
             # a context too short for that measures what fits (the model extrapolates).
             ids = list(prompt_ids)[: max(2, self.context_length - gamma - 1)]
             ids = ids * 2 if len(ids) < 2 else ids
             largest = max(1, min(gamma + 1, self.context_length - len(ids) + 1))
             costs = measure_verify_costs(self.target, ids, max_tokens=largest, repeats=3)
-            self._cost_model = given = CostModel(costs)
-        return given
+            self._measured = measured = CostModel(costs)
+        if given is None:
+            return measured
+        return replace(given, verify_s=measured.verify_s)
 
     def _check_prompt(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
         if len(prompt_ids) == 0:

@@ -84,7 +84,8 @@ class AdaptiveGamma:
     Estimates: α_i = (accepted_i + s·prior_i) / (reached_i + s), where reached_i counts the
     rounds that drafted position i with every earlier draft accepted, and both counts decay
     by `decay` per update. A drafter that proposes fewer tokens than asked (n-gram lookup
-    finding no match) counts as rejected at the first missing position. Costs: the cost
+    finding no match) counts as rejected at the first missing position, and the length it
+    proposes is tracked apart, since a shorter proposal is a cheaper verify. Costs: the cost
     model's T(n) and D(k), times speed factors re-estimated from the rounds' own timings, so
     a busier machine moves target and draft costs alike.
     """
@@ -105,12 +106,15 @@ class AdaptiveGamma:
         self.timing_feedback = timing_feedback
         self.reached = [0.0] * max_gamma
         self.accepted = [0.0] * max_gamma
+        # Proposal lengths: asked for position i with i - 1 proposed, and i proposed.
+        self.offered = [0.0] * max_gamma
+        self.proposed = [0.0] * max_gamma
         self.target_speed = 1.0  # measured / modelled seconds
         self.draft_speed = 1.0
         # Without measured draft costs (no profile), learn seconds per drafted token here.
         self.learn_draft = cost.draft_s(1) == 0
         self.draft_per_token_s = 0.0
-        self.verified: dict[int, int] = {}  # k -> tokens verified (a tree verifies more)
+        self.verified: dict[int, int] = {}  # depth drafted -> tokens verified (trees: more)
         self.plain_rounds = 0
         self.probe_every = settings.first_probe
 
@@ -133,9 +137,27 @@ class AdaptiveGamma:
             cost = replace(cost, draft_per_token_s=self.draft_per_token_s)
         return cost
 
+    def proposal_lengths(self, k: int) -> list[float]:
+        """P(the drafter proposes exactly l tokens when asked for k), l = 0..k. A model
+        drafter always proposes k; n-gram lookup often fewer, and then verifies fewer."""
+        s = self.settings.prior_strength
+        at_least = [1.0]
+        for i in range(k):
+            rate = (self.proposed[i] + s) / (self.offered[i] + s)  # prior: it proposes all
+            at_least.append(at_least[-1] * rate)
+        at_least.append(0.0)
+        return [at_least[length] - at_least[length + 1] for length in range(k + 1)]
+
     def predicted_speedup(self, k: int) -> float:
+        """E(k) · T(1) / (D(k) + E[T(verified)]), the verify size following the proposal
+        length (a missing draft already counts as rejected in E(k))."""
         cost = self.current_cost()
-        round_s = cost.round_s(k, self.verified.get(k, k + 1))
+        lengths = self.proposal_lengths(k)
+        verify = sum(
+            p * cost.target_s(self.verified.get(length, length + 1))
+            for length, p in enumerate(lengths)
+        )
+        round_s = (cost.draft_s(k) if k else 0.0) + verify
         return expected_tokens(self.alphas, k) * cost.target_s(1) / round_s
 
     def next_gamma(self, limit: int) -> int:
@@ -150,8 +172,7 @@ class AdaptiveGamma:
     def update(self, record: RoundRecord) -> None:
         if self.timing_feedback:
             self._update_speeds(record)
-        elif record.requested:
-            self.verified[record.requested] = record.verified
+        self.verified[record.drafted] = record.verified
         if record.requested == 0:
             self.plain_rounds += 1
             return
@@ -167,8 +188,11 @@ class AdaptiveGamma:
 
     def _update_acceptance(self, record: RoundRecord) -> None:
         decay = self.settings.decay
-        self.reached = [r * decay for r in self.reached]
-        self.accepted = [a * decay for a in self.accepted]
+        for counts in (self.reached, self.accepted, self.offered, self.proposed):
+            counts[:] = [c * decay for c in counts]
+        for i in range(min(record.requested, record.drafted + 1, self.max_gamma)):
+            self.offered[i] += 1
+            self.proposed[i] += i < record.drafted
         # Positions tried: every drafted one reached, plus the first missing one.
         tried = min(record.requested, record.drafted + 1, self.max_gamma)
         for i in range(min(tried, record.accepted + 1)):
@@ -177,8 +201,6 @@ class AdaptiveGamma:
 
     def _update_speeds(self, record: RoundRecord) -> None:
         keep = self.settings.cost_decay
-        if record.requested:
-            self.verified[record.requested] = record.verified
         modelled = self.cost.target_s(record.verified)
         self.target_speed = keep * self.target_speed + (1 - keep) * record.verify_s / modelled
         if not record.drafted:

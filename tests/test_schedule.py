@@ -362,13 +362,23 @@ def test_adaptive_measures_a_cost_model_on_first_use(
 def test_adaptive_uses_a_given_cost_model_when_it_covers_gamma(
     target: PreTrainedModel, measurements: list[int]
 ) -> None:
+    """Greedy: T(n) is measured in this process (once), the given draft costs are kept.
+    Sampling: the given model as it is, so a seed gives the same output in every process."""
     given = CostModel((1e-3,) * 5, draft_per_token_s=1e-4)
     decoder = make_decoder(target, make_drafter("perturbed", target), cost_model=given)
-    decoder.generate(PROMPT, GenerationConfig(max_new_tokens=8, gamma=4, schedule="adaptive"))
-    assert decoder.cost_model(PROMPT, 4) is given
+    sampled = GenerationConfig(
+        max_new_tokens=8, gamma=4, schedule="adaptive", sampling=SamplingConfig(temperature=0.8)
+    )
+    decoder.generate(PROMPT, sampled)
+    assert decoder.cost_model(PROMPT, 4, fresh=False) is given
     assert measurements == []
+    decoder.generate(PROMPT, GenerationConfig(max_new_tokens=8, gamma=4, schedule="adaptive"))
+    assert measurements == [5]
+    cost = decoder.cost_model(PROMPT, 4)
+    assert cost.verify_s != given.verify_s and len(cost.verify_s) == 5
+    assert (cost.draft_fixed_s, cost.draft_per_token_s) == (0.0, 1e-4)
     decoder.generate(PROMPT, GenerationConfig(max_new_tokens=8, gamma=6, schedule="adaptive"))
-    assert measurements == [7]  # too short for γ = 6
+    assert measurements == [5, 7]  # too short for γ = 6
 
 
 def test_adaptive_choices_follow_the_drafter(target: PreTrainedModel, reference: list[int]) -> None:
@@ -567,3 +577,21 @@ def test_a_budget_that_just_fits_plain_decoding(
     assert unbounded_tokens == reference
     assert gammas == unbounded_gammas == run(tight * 4)[1]
     assert gammas[4] > 1
+
+
+def test_adaptive_expects_cheaper_verifies_from_a_drafter_that_proposes_less() -> None:
+    """n-gram lookup often proposes nothing: the round then verifies 1 token, not k + 1."""
+    cost = CostModel(tuple(1.0 + 0.5 * (n - 1) for n in range(1, 9)))
+    always, often_none = AdaptiveGamma(cost, max_gamma=4), AdaptiveGamma(cost, max_gamma=4)
+    for i in range(40):
+        always.update(RoundRecord(4, 4, 0, 5, 0.0, cost.target_s(5)))
+        drafted = 4 if i % 4 == 0 else 0
+        often_none.update(RoundRecord(4, drafted, 0, drafted + 1, 0.0, cost.target_s(drafted + 1)))
+    for schedule in (always, often_none):
+        lengths = schedule.proposal_lengths(4)
+        assert len(lengths) == 5 and sum(lengths) == pytest.approx(1.0)
+    assert always.proposal_lengths(4)[4] > 0.95
+    assert often_none.proposal_lengths(4)[0] == pytest.approx(0.75, abs=0.1)
+    # The same E(k) (nothing accepted either way), but the verify it expects is cheaper.
+    assert often_none.alphas[0] == pytest.approx(always.alphas[0])
+    assert often_none.predicted_speedup(4) > always.predicted_speedup(4) * 1.5
