@@ -11,6 +11,8 @@ A method is named by a spec:
   fixed γ) or `hf` (Hugging Face's +2/-1 schedule run by our engine); default: --gamma.
 - `hf-assisted:MODEL[@N]`: transformers' own assisted generation with MODEL as assistant.
 - `hf-prompt-lookup[:N][@N]`: transformers' prompt lookup (longest n-gram N).
+Hugging Face's methods run with stock kernels (F.linear), as its users run them; ours use
+the measured kernel plan unless --plain-kernels.
 """
 
 from __future__ import annotations
@@ -29,8 +31,13 @@ from specmtp.bench_results import BASELINE, MethodResult, PromptRun, table
 from specmtp.config import GenerationConfig
 from specmtp.costmodel import CostModel, measure_verify_costs
 from specmtp.errors import SpecMTPError
-from specmtp.hf_baselines import HFGenerator, HFSettings
-from specmtp.kernels import KernelPlan, measure_kernel_plan, tuned_linear_enabled
+from specmtp.hf_baselines import HFGenerator, HFRun, HFSettings
+from specmtp.kernels import (
+    KernelPlan,
+    measure_kernel_plan,
+    stock_kernels,
+    tuned_linear_enabled,
+)
 from specmtp.models import LoadedModel, load_model
 from specmtp.profile import Profile, find_profile
 from specmtp.prompts import BenchPrompt, context_text, load_prompt_spec
@@ -115,8 +122,17 @@ class HFRunner:
         self.gen, self.schedule = gen, schedule
 
     def run(self, ids: list[int], config: GenerationConfig) -> tuple[list[int], GenerationStats]:
+        # As a Hugging Face user runs it: stock kernels, not our measured kernel plan.
+        with stock_kernels(self.gen.target, self.gen.assistant):
+            out = self._generate(ids, config)
+        stats = GenerationStats(gamma=0, prompt_tokens=len(ids), new_tokens=len(out.tokens))
+        stats.total_s, stats.first_token_s = out.latency_s, out.ttft_s
+        stats.peak_rss_bytes = resident_bytes()
+        return out.tokens, stats
+
+    def _generate(self, ids: list[int], config: GenerationConfig) -> HFRun:
         s = config.sampling
-        out = self.gen.generate(
+        return self.gen.generate(
             ids,
             max_new_tokens=config.max_new_tokens,
             temperature=s.temperature,
@@ -124,10 +140,6 @@ class HFRunner:
             top_p=s.top_p,
             seed=config.seed,
         )
-        stats = GenerationStats(gamma=0, prompt_tokens=len(ids), new_tokens=len(out.tokens))
-        stats.total_s, stats.first_token_s = out.latency_s, out.ttft_s
-        stats.peak_rss_bytes = resident_bytes()
-        return out.tokens, stats
 
 
 def _schedule_name(settings: dict[str, Any]) -> str:

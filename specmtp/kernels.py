@@ -19,7 +19,8 @@ the same kernels and the bench stays fair. Training keeps F.linear.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,9 +52,10 @@ class KernelPlan:
     """Per row count, which linear layers use the transposed product."""
 
     by_rows: dict[int, str] = field(default_factory=dict)  # rows -> one of STRATEGIES
+    disabled: bool = False  # F.linear everywhere for now (see stock_kernels)
 
     def strategy(self, rows: int) -> str:
-        if not 2 <= rows <= MAX_ROWS:
+        if self.disabled or not 2 <= rows <= MAX_ROWS:
             return "plain"
         return self.by_rows.get(rows, "head")
 
@@ -137,3 +139,18 @@ def measure_kernel_plan(
     medians = {s: [statistics.median(t) for t in zip(*v, strict=True)] for s, v in sweeps.items()}
     plan.by_rows = {n: min(STRATEGIES, key=lambda s: medians[s][n - 1]) for n in range(2, rows + 1)}
     return plan
+
+
+@contextmanager
+def stock_kernels(*models: nn.Module | None) -> Iterator[None]:
+    """Run `models` with F.linear everywhere for a while: how other engines (Hugging Face's
+    generate) run them."""
+    plans = [plan for plan in map(kernel_plan, filter(None, models)) if plan is not None]
+    saved = [plan.disabled for plan in plans]
+    for plan in plans:
+        plan.disabled = True
+    try:
+        yield
+    finally:
+        for plan, was in zip(plans, saved, strict=True):
+            plan.disabled = was

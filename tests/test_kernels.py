@@ -372,3 +372,21 @@ def test_load_model_swaps_layers_only_when_enabled(restore_tuned_linear: None) -
     model = load_model("default").model
     assert kernel_plan(model) is None
     assert sum(type(m) is nn.Linear for m in model.modules()) == 7 * layers + 1
+
+
+def test_stock_kernels_turn_the_plan_off_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hugging Face's methods in the bench run as its users run them: F.linear only."""
+    model = tiny_model("llama", seed=0)
+    plan = use_tuned_linear(model)
+    plan.by_rows = dict.fromkeys(range(2, 9), "all")
+    calls: list[int] = []
+    real = kernels.transposed_linear
+    monkeypatch.setattr(kernels, "transposed_linear", lambda *a: calls.append(1) or real(*a))
+    tokens = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        with kernels.stock_kernels(model, None):
+            model(tokens)
+            assert calls == [] and plan.disabled
+        assert not plan.disabled
+        model(tokens)
+    assert calls  # the plan applies again afterwards
