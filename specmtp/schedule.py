@@ -115,6 +115,9 @@ class AdaptiveGamma:
         self.learn_draft = cost.draft_s(1) == 0
         self.draft_per_token_s = 0.0
         self.verified: dict[int, int] = {}  # depth drafted -> tokens verified (trees: more)
+        # Verify seconds seen per size n: T(n)'s shape changes with the context length
+        # (attention over a long prompt), which one speed factor cannot follow.
+        self.seen_verify_s: dict[int, float] = {}
         self.plain_rounds = 0
         self.probe_every = settings.first_probe
 
@@ -131,8 +134,13 @@ class AdaptiveGamma:
         return estimates
 
     def current_cost(self) -> CostModel:
-        """The cost model at this machine's current speed."""
+        """The cost model at this machine's current speed, and at this sequence's context:
+        T(n) as seen in this sequence where it was seen, else modelled times the speed."""
         cost = self.cost.scaled(target=self.target_speed, draft=self.draft_speed)
+        if self.seen_verify_s:
+            top = max(len(cost.verify_s), *self.seen_verify_s)
+            times = [self.seen_verify_s.get(n) or cost.target_s(n) for n in range(1, top + 1)]
+            cost = replace(cost, verify_s=tuple(times))
         if self.learn_draft:
             cost = replace(cost, draft_per_token_s=self.draft_per_token_s)
         return cost
@@ -203,6 +211,8 @@ class AdaptiveGamma:
         keep = self.settings.cost_decay
         modelled = self.cost.target_s(record.verified)
         self.target_speed = keep * self.target_speed + (1 - keep) * record.verify_s / modelled
+        seen = self.seen_verify_s.get(record.verified, record.verify_s)
+        self.seen_verify_s[record.verified] = keep * seen + (1 - keep) * record.verify_s
         if not record.drafted:
             return
         if self.learn_draft:
