@@ -59,10 +59,18 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _gamma_arg(text: str) -> str:
+    """--gamma: a number or a schedule name; argparse reports anything else."""
+    if text.isdigit() or text in ("auto", "best", "hf"):
+        return text
+    raise argparse.ArgumentTypeError(f"expected a number, auto, best or hf; got {text!r}")
+
+
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     gen, sampling = GenerationConfig(), SamplingConfig()
     parser.add_argument(
         "--gamma",
+        type=_gamma_arg,
         help=f"draft tokens per round: N (default {gen.gamma}), auto (adaptive, from the "
         "tuning profile if any), best (the profile's fastest fixed γ) or hf (Hugging Face's "
         "+2/-1 schedule)",

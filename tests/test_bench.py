@@ -36,7 +36,7 @@ SCHEDULES = {
     "ngram@auto": "adaptive",
     "hf-prompt-lookup": "fixed:4",
 }
-PROGRESS = ("loading target ", "preparing ", "warming up ")
+PROGRESS = ("loading target ", "preparing ", "kernel plan ", "warming up ")
 FAST = ["--max-new-tokens", str(NEW_TOKENS), "--warmup", "0", "--threads", "1"]
 
 
@@ -294,7 +294,6 @@ def test_bad_prompt_files(
         (["--draft", "ngram@zz"], "gamma must be a number, auto, best or hf"),
         (["--draft", "ngram:0"], "bad n-gram draft spec"),
         (["--gamma", "0"], "gamma must be >= 1"),
-        (["--gamma", "x"], "gamma must be a number"),
         (["--draft", "ar"], "each method must be named once"),
         (["--draft", "ngram", "--draft", "ngram"], "each method must be named once"),
         (["--max-memory", "10X"], "bad size '10X'"),
@@ -306,6 +305,13 @@ def test_bad_bench_flags(
 ) -> None:
     code, out, err = run_cli(capfd, "bench", "--prompts", str(questions), *FAST, *flags)
     assert_one_line_error(code, out, err, message)
+
+
+def test_bad_gamma_is_an_argument_error(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--prompts", "random:1x8", "--gamma", "x"])
+    assert exit_info.value.code == 2
+    assert "expected a number, auto, best or hf" in capfd.readouterr().err
 
 
 @pytest.fixture
