@@ -28,7 +28,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
 lint: setup
-	$(VENV)/bin/ruff check specmtp tests
+	$(VENV)/bin/ruff check specmtp tests scripts
 
 bench: setup
 	$(VENV)/bin/specmtp bench --prompts ../shared/prompts/eval/spec_bench/question.jsonl \

@@ -1,5 +1,6 @@
 """Summarise a bench result: per group, the adaptive schedule against the best fixed γ and
-against Hugging Face's +2/-1 schedule, for each drafter with DRAFT@N, DRAFT@auto, DRAFT@hf.
+against Hugging Face's +2/-1 schedule, for each drafter benchmarked as DRAFT@N, DRAFT@auto
+and DRAFT@hf.
 
     python scripts/adaptive_report.py bench-out/main/result.json
 """
@@ -9,35 +10,41 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from pathlib import Path
+from typing import Any
 
 
-def main(path: str) -> None:
-    result = json.load(open(path))
+def speedup(method: dict[str, Any], group: str) -> float:
+    return method["speedup"] if group == "ALL" else method["per_group"][group]["speedup"]
+
+
+def report(result: dict[str, Any]) -> list[str]:
     methods = result["methods"]
     drafters: dict[str, dict[str, str]] = defaultdict(dict)
     for name in methods:
         draft, _, gamma = name.partition("@")
         if gamma and not draft.startswith("hf-"):
             drafters[draft][gamma] = name
-    groups = list(methods["ar"]["per_group"])
+    lines = []
     for draft, by_gamma in drafters.items():
-        fixed = [n for g, n in by_gamma.items() if g.isdigit()]
-        print(f"\n{draft}: group, best fixed (speedup), auto, auto/best, hf, auto/hf")
-        for group in [*groups, "ALL"]:
-            def speed(name: str) -> float:
-                m = methods[name]
-                return m["speedup"] if group == "ALL" else m["per_group"][group]["speedup"]
-            best = max(fixed, key=speed)
-            auto, hf = by_gamma.get("auto"), by_gamma.get("hf")
-            row = f"  {group:28s} {best:10s} {speed(best):5.2f}x"
+        fixed = [name for gamma, name in by_gamma.items() if gamma.isdigit()]
+        auto, hf = by_gamma.get("auto"), by_gamma.get("hf")
+        lines.append(f"\n{draft}: group, best fixed (speedup), auto, auto/best, hf, auto/hf")
+        for group in [*methods["ar"]["per_group"], "ALL"]:
+            best = max(fixed, key=lambda name, g=group: speedup(methods[name], g))
+            top = speedup(methods[best], group)
+            row = f"  {group:28s} {best:10s} {top:5.2f}x"
             if auto:
-                row += f"  auto {speed(auto):5.2f}x  {speed(auto) / speed(best):5.2f}"
+                adaptive = speedup(methods[auto], group)
+                row += f"  auto {adaptive:5.2f}x  {adaptive / top:5.2f}"
             if hf:
-                row += f"  hf {speed(hf):5.2f}x"
+                heuristic = speedup(methods[hf], group)
+                row += f"  hf {heuristic:5.2f}x"
                 if auto:
-                    row += f"  {speed(auto) / speed(hf):5.2f}"
-            print(row)
+                    row += f"  {adaptive / heuristic:5.2f}"
+            lines.append(row)
+    return lines
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    print("\n".join(report(json.loads(Path(sys.argv[1]).read_text()))))
