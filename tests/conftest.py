@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +19,8 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from specmtp.cli import main
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Tiny models gain nothing from threads, and on a shared 2-core machine a second thread
@@ -107,3 +111,31 @@ def hf_greedy(
         **budget,
     )  # fmt: skip
     return out[0, len(prompt) :].tolist()
+
+
+def run_cli(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """main() on argv; stdout and stderr as the process would print them."""
+    # capfd, not capsys: transformers' log handlers write to the stderr they started with.
+    code = main(list(argv))
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def run_captured(*argv: str) -> tuple[int, str, str]:
+    """main() with stdout and stderr captured, for module-scoped fixtures (no capfd)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def no_profiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, specmtp_cache: Path) -> Path:
+    """A cache holding the session's converted models and no tuning profiles."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for entry in specmtp_cache.iterdir():
+        if entry.is_dir() and entry.name != "profiles":
+            (cache / entry.name).symlink_to(entry, target_is_directory=True)
+    monkeypatch.setenv("SPECMTP_CACHE", str(cache))
+    return cache

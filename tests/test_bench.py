@@ -8,13 +8,12 @@ only checked for presence and sign.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_captured, run_cli
 
 from specmtp.api import AUTO_MAX_GAMMA
 from specmtp.cli import main
@@ -45,21 +44,6 @@ def write_questions(folder: Path) -> Path:
     path.parent.mkdir(parents=True)
     path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     return path
-
-
-def run_captured(*argv: str) -> tuple[int, str, str]:
-    """main() with stdout and stderr captured, for fixtures shared by several tests."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return code, out.getvalue(), err.getvalue()
-
-
-def run_cli(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    # capfd, not capsys: transformers' log handlers write to the stderr they started with.
-    code = main(list(argv))
-    out, err = capfd.readouterr()
-    return code, out, err
 
 
 def assert_one_line_error(code: int, out: str, err: str, message: str) -> None:
@@ -312,18 +296,6 @@ def test_bad_gamma_is_an_argument_error(capfd: pytest.CaptureFixture[str]) -> No
         main(["bench", "--prompts", "random:1x8", "--gamma", "x"])
     assert exit_info.value.code == 2
     assert "expected a number, auto, best or hf" in capfd.readouterr().err
-
-
-@pytest.fixture
-def no_profiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, specmtp_cache: Path) -> Path:
-    """A cache holding the session's converted models and no tuning profiles."""
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    for entry in specmtp_cache.iterdir():
-        if entry.is_dir() and entry.name != "profiles":
-            (cache / entry.name).symlink_to(entry, target_is_directory=True)
-    monkeypatch.setenv("SPECMTP_CACHE", str(cache))
-    return cache
 
 
 def test_best_gamma_needs_a_profile(

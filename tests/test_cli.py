@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_model
+from conftest import run_cli, tiny_model
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -21,13 +21,6 @@ REPO = Path(__file__).resolve().parents[1]
 PROMPT = "List the days of the week, then list them again."
 # One thread: on a shared 2-core machine two threads contend and run several times slower.
 FAST = ["--max-new-tokens", "12", "--threads", "1"]
-
-
-def run_cli(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    # capfd, not capsys: transformers' log handlers write to the stderr they started with.
-    code = main(list(argv))
-    out, err = capfd.readouterr()
-    return code, out, err
 
 
 def assert_one_line_error(code: int, err: str, *, contains: str = "") -> None:

@@ -7,16 +7,14 @@ sign and consistency with the profile's own cost model are checked.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_captured, run_cli
 
 from specmtp.api import AUTO_MAX_GAMMA
-from specmtp.cli import main
 from specmtp.costmodel import expected_tokens
 from specmtp.errors import SpecMTPError
 from specmtp.profile import Profile, default_profile_path, find_profile
@@ -31,20 +29,6 @@ TRAIN_PROMPTS = [
     "Repeat the word apple five times.",
 ]
 GENERATE = ["generate", "Name the days of the week.", "--chat", "--json", "--threads", "1"]
-
-
-def run_captured(*argv: str) -> tuple[int, str, str]:
-    """main() with stdout and stderr captured, for the module's shared tune run."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return code, out.getvalue(), err.getvalue()
-
-
-def run_cli(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capfd.readouterr()
-    return code, out, err
 
 
 def last_json(out: str) -> dict[str, Any]:
@@ -86,18 +70,6 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, Path, Pat
 @pytest.fixture
 def profile(tuned: tuple[str, str, Path, Path]) -> Profile:
     return Profile.load(tuned[2])
-
-
-@pytest.fixture
-def no_profiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, specmtp_cache: Path) -> Path:
-    """A cache holding the session's converted models and no tuning profiles."""
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    for entry in specmtp_cache.iterdir():
-        if entry.is_dir() and entry.name != "profiles":
-            (cache / entry.name).symlink_to(entry, target_is_directory=True)
-    monkeypatch.setenv("SPECMTP_CACHE", str(cache))
-    return cache
 
 
 def test_tune_prints_the_sweep_and_writes_the_profile(
