@@ -11,10 +11,17 @@ import torch
 
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
+from specmtp.draft_model import (
+    DRAFT_CONFIG,
+    SHIPPED_DRAFTS,
+    is_draft_dir,
+    load_draft,
+    shipped_drafts_dir,
+)
 from specmtp.drafters import Drafter, DraftModelDrafter, MTPDrafter, NgramDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.heads import load_heads, shipped_heads_dir
-from specmtp.kernels import apply_kernel_plan
+from specmtp.kernels import apply_kernel_plan, tuned_linear_enabled, use_tuned_linear
 from specmtp.models import LoadedModel, check_tokenizers_agree, load_model, usable_vocab_size
 from specmtp.profile import Profile
 from specmtp.stats import GenerationStats
@@ -36,8 +43,10 @@ def build_drafter(
     This is the one place that dispatches on the spec: `ngram` or `ngram:N` (longest
     n-gram N); `mtp` / `mtp:HEADS_DIR` (MTP heads drafting a chain); `mtp-tree`,
     `mtp-tree:HEADS_DIR` (a tree, from the heads' tree.json) or `mtp-tree:TREE.json` (a
-    custom tree on the shipped heads); otherwise a model spec as for the target. A Drafter
-    object is used as is.
+    custom tree on the shipped heads); `general`, `distilled`, `distilled-mtp` (drafts shipped
+    for the default model; `distilled-mtp-ar` drafts with its LM head alone) or
+    `draft:DIR` / `draft-ar:DIR` (one made by `specmtp distill`); otherwise a model spec
+    as for the target. A Drafter object is used as is.
     """
     target_vocab = usable_vocab_size(target, target)
     if spec is None or not isinstance(spec, str):
@@ -47,6 +56,8 @@ def build_drafter(
         return build_mtp_drafter(
             spec, target, tree=method == "mtp-tree", path=argument
         ), target_vocab
+    if method in SHIPPED_DRAFTS or method in ("draft", "draft-ar"):
+        return build_small_drafter(spec, target), target_vocab
     if spec == "ngram" or spec.startswith("ngram:"):
         size = spec.partition(":")[2] or "3"
         if not size.isdigit() or int(size) < 1:
@@ -58,6 +69,27 @@ def build_drafter(
     )
     vocab = usable_vocab_size(target, draft)
     return DraftModelDrafter(draft.model, vocab_size=vocab, name=spec), vocab
+
+
+def build_small_drafter(spec: str, target: LoadedModel) -> DraftModelDrafter:
+    """A draft made by `specmtp distill`: shipped by name, or from a directory. It drafts
+    several tokens per forward when it has MTP heads, unless the spec ends in `-ar`."""
+    method, _, path = spec.partition(":")
+    if method in SHIPPED_DRAFTS:
+        directory = shipped_drafts_dir() / SHIPPED_DRAFTS[method]
+    elif not path:
+        raise SpecMTPError(f"bad draft spec {spec!r}: use draft:DIR or draft-ar:DIR")
+    else:
+        directory = Path(path)
+    if not is_draft_dir(directory):
+        raise SpecMTPError(f"no draft in {directory} (it has no {DRAFT_CONFIG})")
+    draft = load_draft(directory, target=target.model)
+    if tuned_linear_enabled() and draft.device.type == "cpu":
+        use_tuned_linear(draft)
+    multi_token = draft.heads is not None and not method.endswith("-ar")
+    return DraftModelDrafter(
+        draft, vocab_size=usable_vocab_size(target, target), name=spec, multi_token=multi_token
+    )
 
 
 def build_mtp_drafter(spec: str, target: LoadedModel, *, tree: bool, path: str) -> MTPDrafter:

@@ -24,6 +24,7 @@ from transformers.utils import logging as hf_logging
 from specmtp.api import SpecGenerator, gamma_settings, make_config
 from specmtp.bench import BenchConfig, log_to_stderr, run_bench
 from specmtp.config import GenerationConfig, SamplingConfig
+from specmtp.distill import OBJECTIVES, DistillTrainConfig, train_draft
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import set_tuned_linear
 from specmtp.profile import Profile, find_profile
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_command(commands)
     _add_tune_command(commands)
     _add_train_mtp_command(commands)
+    _add_distill_command(commands)
     return parser
 
 
@@ -239,6 +241,35 @@ def _add_train_mtp_command(commands: argparse._SubParsersAction) -> None:
     train.set_defaults(run=cmd_train_mtp)
 
 
+def _add_distill_command(commands: argparse._SubParsersAction) -> None:
+    distill = commands.add_parser(
+        "distill", help="train a small draft model for a target (distillation or plain text)"
+    )
+    defaults = {f.name: f.default for f in dataclasses.fields(DistillTrainConfig)}
+    distill.add_argument(
+        "--data", type=Path, action="append", required=True, metavar="PATH",
+        help="prompts (--objective distill) or .txt files/folders (text); repeatable",
+    )  # fmt: skip
+    distill.add_argument("--out", type=Path, required=True, help="run directory (resumable)")
+    distill.add_argument("--target", default="default", help="target model spec")
+    distill.add_argument("--threads", type=int, help="CPU threads for torch")
+    distill.add_argument("--objective", choices=OBJECTIVES, default=defaults["objective"])
+    distill.add_argument("--init", choices=["target", "random"], default=defaults["init"])
+    distill.add_argument("--init-from", type=Path, help="a draft directory to continue training")
+    distill.add_argument("--cache", type=Path, help="data cache directory (default OUT/data)")
+    for name, kind in [
+        ("num_layers", int), ("draft_vocab", int), ("mtp_heads", int), ("mtp_decay", float),
+        ("topk", int), ("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
+        ("checkpoint_every", int), ("eval_every", int), ("heldout_fraction", float),
+        ("limit_per_source", int), ("max_new_tokens", int), ("seed", int),
+    ]:  # fmt: skip
+        flag = "--" + name.replace("_", "-")
+        distill.add_argument(
+            flag, type=kind, default=defaults[name], help=f"default {defaults[name]}"
+        )
+    distill.set_defaults(run=cmd_distill)
+
+
 def parse_size(text: str) -> int:
     """Bytes from '2G', '800M', '1.5GiB' or a plain number."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
@@ -360,6 +391,17 @@ def cmd_train_mtp(args: argparse.Namespace) -> int:
     config = TrainConfig(sources=tuple(args.data), **{name: getattr(args, name) for name in names})
     report = train_mtp(config)
     print(f"heads written to {config.out}; held-out top-1 per head: {report.heldout_accuracy}")
+    print(json.dumps(dataclasses.asdict(report)))
+    return 0
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    names = {f.name for f in dataclasses.fields(DistillTrainConfig)} - {"sources"}
+    config = DistillTrainConfig(
+        sources=tuple(args.data), **{name: getattr(args, name) for name in names}
+    )
+    report = train_draft(config)
+    print(f"draft written to {config.out / 'draft'}; held-out: {report.heldout}")
     print(json.dumps(dataclasses.asdict(report)))
     return 0
 

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors
 from specmtp.config import SamplingConfig
+from specmtp.draft_model import DraftLM
 from specmtp.heads import Heads, SequentialMTP
 from specmtp.sampling import choose, logits_to_probs
 from specmtp.tree import TokenTree, build_tree_tokens
@@ -134,10 +135,25 @@ class NgramDrafter(NoMemory):
 class DraftModelDrafter:
     """A small causal LM with the target's tokenizer drafts k tokens autoregressively,
     keeping its own KV cache. Its cache holds `fed`, the ids it has seen; after each
-    round it is cropped back to the part of `fed` that the target committed."""
+    round it is cropped back to the part of `fed` that the target committed.
 
-    def __init__(self, model: PreTrainedModel, *, vocab_size: int, name: str = "draft") -> None:
-        self.runner = CachedModel(model, vocab_size=vocab_size, name=name)
+    With `heads` (a `draft_model.DraftLM` whose MTP heads are used), each draft forward
+    proposes 1 + K tokens: the next one from its LM head, the K after it from its heads,
+    all read off the same hidden state; the next forward feeds those tokens at once.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel | DraftLM,
+        *,
+        vocab_size: int,
+        name: str = "draft",
+        multi_token: bool = False,
+    ) -> None:
+        if multi_token and getattr(model, "heads", None) is None:
+            raise ValueError("multi-token drafting needs a draft with MTP heads")
+        self.multi_token = multi_token
+        self.runner = CachedModel(model, vocab_size=vocab_size, name=name, keep_hidden=multi_token)
         self.name = name
         self.needs_target_hidden = False
         self.fed = torch.empty(1, 0, dtype=torch.long)  # [1, runner.length]
@@ -161,20 +177,33 @@ class DraftModelDrafter:
         generator: torch.Generator | None,
     ) -> Proposal:
         self._rollback_to_prefix_of(context[:, :-1])  # the last token must be fed for logits
-        unseen = context[:, self.fed.shape[1] :]  # [B, u], u >= 1: corrected/bonus tokens too
-        logits = self.runner.forward(unseen, last_only=True)[:, -1]  # [B, V]
-        self.fed = context.clone()
-        tokens, probs = [], []
-        for i in range(k):
-            q = None if sampling.greedy else logits_to_probs(logits, sampling)  # [B, V]
-            token = logits.argmax(-1) if q is None else choose(q, sampling, generator)  # [B]
-            tokens.append(token)
-            probs.append(q)
-            if i < k - 1:
-                logits = self.runner.forward(token[:, None])[:, -1]
-                self.fed = torch.cat([self.fed, token[:, None]], 1)
-        draft_probs = None if sampling.greedy else torch.stack(probs, 1)  # [B, k, V]
+        fresh = context[:, self.fed.shape[1] :]  # [B, u], u >= 1: corrected/bonus tokens too
+        self.fed = context[:, : self.fed.shape[1]]
+        tokens: list[torch.Tensor] = []  # each [B]
+        probs: list[torch.Tensor | None] = []  # each [B, V] (sampling)
+        while len(tokens) < k:
+            logits = self.runner.forward(fresh, last_only=True)[:, -1]  # [B, V]
+            self.fed = torch.cat([self.fed, fresh], 1)
+            step = [logits, *self._head_logits()][: k - len(tokens)]  # each [B, V]
+            for row in step:
+                q = None if sampling.greedy else logits_to_probs(row, sampling)  # [B, V]
+                tokens.append(row.argmax(-1) if q is None else choose(q, sampling, generator))
+                probs.append(q)
+            fresh = torch.stack(tokens[-len(step) :], 1)  # [B, m]: fed next, if more needed
+        draft_probs = None if sampling.greedy or not probs else torch.stack(probs, 1)  # [B,k,V]
+        if not tokens:
+            return empty_proposal(context.shape[0], context.device)
         return Proposal(torch.stack(tokens, 1), draft_probs)
+
+    @torch.inference_mode()
+    def _head_logits(self) -> list[torch.Tensor]:
+        """The MTP heads' full-vocabulary logits at the last fed position, each [B, V]."""
+        if not self.multi_token:
+            return []
+        model = self.runner.model
+        hidden = self.runner.last_hidden[:, -1:]  # [B, 1, H]
+        logits = model.projection.to_full_logits(model.head_logits(hidden)[:, :, -1])  # [B,K,V]
+        return list(logits[..., : self.runner.vocab_size].unbind(1))
 
     def observe(self, outcome: Outcome) -> None:
         self._rollback_to_prefix_of(outcome.context)

@@ -132,13 +132,20 @@ def describe_target(model: PreTrainedModel) -> str:
     )
 
 
-class _Projection(nn.Module):
-    """Hidden [.., H] -> logits [.., V'] over the full or the draft vocabulary."""
+class VocabProjection(nn.Module):
+    """Hidden [.., H] -> logits [.., V'] over the full vocabulary or the draft vocabulary
+    `draft_vocab` (V' of the target's V token ids), with the maps between the two."""
 
-    def __init__(self, config: HeadsConfig, lm_head_weight: torch.Tensor) -> None:
+    def __init__(
+        self,
+        lm_head_weight: torch.Tensor,  # [V, H]
+        *,
+        draft_vocab: tuple[int, ...] | None,
+        trainable: bool,
+    ) -> None:
         super().__init__()
-        weight = lm_head_weight.detach()  # [V, H]
-        ids = None if config.draft_vocab is None else torch.tensor(config.draft_vocab)
+        weight = lm_head_weight.detach()
+        ids = None if draft_vocab is None else torch.tensor(draft_vocab)
         if ids is not None:
             weight = weight[ids.to(weight.device)]  # [V', H]
         self.register_buffer("draft_ids", ids, persistent=False)
@@ -146,17 +153,35 @@ class _Projection(nn.Module):
         # training maps every label through it
         index = None
         if ids is not None:
-            index = torch.full((config.vocab_size,), -1, dtype=torch.long)
+            index = torch.full((lm_head_weight.shape[0],), -1, dtype=torch.long)
             index[ids] = torch.arange(len(ids))
         self.register_buffer("draft_index", index, persistent=False)
-        self.vocab_size = config.vocab_size
-        if config.share_lm_head:
-            self.register_buffer("weight", weight, persistent=False)  # frozen, not saved
-        else:
+        self.vocab_size = lm_head_weight.shape[0]
+        if trainable:
             self.weight = nn.Parameter(weight.clone())  # own copy, trained and saved
+        else:
+            self.register_buffer("weight", weight, persistent=False)  # frozen, not saved
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight)
+
+    def to_full_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids in the draft vocabulary (any shape) -> ids in the target's."""
+        return ids if self.draft_ids is None else self.draft_ids[ids]
+
+    def to_draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids (any shape) -> indices into the draft logits; -1 where the
+        token is outside draft_vocab (a label that cannot be predicted)."""
+        return ids if self.draft_index is None else self.draft_index[ids]
+
+    def to_full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V'] -> [..., V], -inf outside draft_vocab (softmax stays a
+        distribution over the full vocabulary, zero off the draft vocabulary)."""
+        if self.draft_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.draft_ids] = logits
+        return full
 
 
 class _HeadsBase(nn.Module):
@@ -170,28 +195,18 @@ class _HeadsBase(nn.Module):
                 f"vocab_size x hidden_size ({config.vocab_size}, {config.hidden_size})"
             )
         self.config = config
-        self.projection = _Projection(config, lm_head_weight)
+        self.projection = VocabProjection(
+            lm_head_weight, draft_vocab=config.draft_vocab, trainable=not config.share_lm_head
+        )
 
     def to_full_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token ids in the heads' vocabulary (any shape) -> ids in the target's."""
-        draft_ids = self.projection.draft_ids
-        return ids if draft_ids is None else draft_ids[ids]
+        return self.projection.to_full_ids(ids)
 
     def to_draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Target token ids (any shape) -> indices into the heads' logits; -1 where the
-        token is outside draft_vocab (a label the heads cannot predict)."""
-        index = self.projection.draft_index
-        return ids if index is None else index[ids]
+        return self.projection.to_draft_ids(ids)
 
     def to_full_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits [..., V'] -> [..., V], -inf outside draft_vocab (softmax stays a
-        distribution over the full vocabulary, zero off the draft vocabulary)."""
-        draft_ids = self.projection.draft_ids
-        if draft_ids is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        full[..., draft_ids] = logits
-        return full
+        return self.projection.to_full_logits(logits)
 
 
 class _ResidualBlock(nn.Module):

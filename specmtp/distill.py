@@ -1,0 +1,347 @@
+"""`specmtp distill`: train a small draft model (`draft_model.DraftLM`) for a target.
+
+Two objectives, one trainer:
+- `distill`: knowledge distillation. The target answers training prompts greedily; the
+  data cache (`specmtp.data`, shared with `train-mtp`) keeps its top-k log-probabilities
+  at every position, and the draft minimises KL(p_target,top-k || q_draft) there (the
+  top-k mass is the target's; tokens outside the draft vocabulary drop out).
+- `text`: plain next-token cross-entropy on ordinary text (`specmtp.text_data`), never
+  seeing the target's outputs: the "general" draft of the same architecture.
+
+With `mtp_heads` > 0 the draft also trains parallel MTP heads on its own final hidden
+state (Σ λ_i CE_i on the tokens 2+i ahead, `mtp_loss.mtp_losses`), jointly with its
+next-token objective: continued MTP training when `init_from` names a trained draft.
+
+Same machinery as `train-mtp`: accelerate, a progress bar with loss and accuracy,
+metrics.jsonl, atomic checkpoints that a rerun of the same command resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from specmtp.checkpoint import load_latest_checkpoint, save_checkpoint
+from specmtp.data import (
+    DistillBatch,
+    DistillConfig,
+    build_cache,
+    is_heldout,
+    iter_batches,
+    load_train_prompts,
+    model_fingerprint,
+)
+from specmtp.draft_model import (
+    DraftConfig,
+    DraftLM,
+    draft_config_for,
+    init_from_target,
+    load_draft,
+    save_draft,
+)
+from specmtp.errors import SpecMTPError
+from specmtp.models import LoadedModel, load_model
+from specmtp.mtp_loss import decaying_weights, mtp_losses
+from specmtp.text_data import TextChunks, iter_text_batches, load_texts, tokenize_chunks
+from specmtp.train import MetricsLog, set_lr
+
+OBJECTIVES = ("distill", "text")
+_TINY = 1e-6  # floor for probabilities that enter a log
+
+
+@dataclass(frozen=True)
+class DistillTrainConfig:
+    """One run; `out` holds checkpoints, metrics, the final draft (out/draft) and report."""
+
+    sources: tuple[Path, ...]  # prompts (distill) or .txt files and folders (text)
+    out: Path
+    target: str = "default"
+    objective: str = "distill"
+    num_layers: int = 2
+    init: str = "target"  # "target": copy the target's first layers; "random"
+    init_from: Path | None = None  # a saved draft to continue from (its layers and vocab)
+    draft_vocab: int = 8192  # the N most frequent tokens of the training data
+    mtp_heads: int = 0
+    mtp_decay: float = 0.8  # λ_i = decay^i for the heads; the next-token loss weighs 1
+    topk: int = 20  # target log-probabilities cached per position (distill)
+    steps: int = 1000
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 5e-4
+    checkpoint_every: int = 100
+    eval_every: int = 250
+    heldout_fraction: float = 0.05
+    limit_per_source: int | None = None
+    max_new_tokens: int = 128
+    seed: int = 0
+    cache: Path | None = None  # the data cache directory (default: out/data)
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise SpecMTPError("give at least one data source (--data)")
+        if self.objective not in OBJECTIVES:
+            raise SpecMTPError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.init not in ("target", "random"):
+            raise SpecMTPError(f"init must be 'target' or 'random', got {self.init!r}")
+        positive = ("num_layers", "draft_vocab", "steps", "batch_size", "seq_len", "topk")
+        for name in (*positive, "checkpoint_every", "eval_every"):
+            if getattr(self, name) < 1:
+                raise SpecMTPError(f"{name.replace('_', '-')} must be >= 1")
+        if self.mtp_heads < 0 or not 0 < self.mtp_decay <= 1 or self.lr <= 0:
+            raise SpecMTPError("need mtp-heads >= 0, mtp-decay in (0, 1] and lr > 0")
+        if not 0 < self.heldout_fraction < 1:
+            raise SpecMTPError("heldout-fraction must be in (0, 1)")
+
+    @property
+    def data_dir(self) -> Path:
+        return self.cache or self.out / "data"
+
+
+@dataclass(frozen=True)
+class DistillReport:
+    steps: int
+    heldout: dict[str, Any]  # agreement with the target (or next-token accuracy), heads
+    tokens: int  # tokens in the training data
+    draft_parameters: int  # trained parameters (the shared target tensors excluded)
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Data:
+    """The run's data, whichever objective: passes over a split, and its size."""
+
+    batches: Callable[[str, int | None], Iterator[DistillBatch]]  # (split, seed) -> one pass
+    counts: Counter[int]  # token frequencies of the training split
+    tokens: int
+    key: str  # identifies the data for checkpoints
+
+
+def train_draft(config: DistillTrainConfig) -> DistillReport:
+    start_time = time.perf_counter()
+    config.out.mkdir(parents=True, exist_ok=True)
+    target = load_model(config.target)
+    data = _prepare_data(config, target)
+    draft = _build_draft(config, target, data)
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
+    accelerator = Accelerator()
+    draft, optimizer = accelerator.prepare(draft, optimizer)
+    plain: DraftLM = accelerator.unwrap_model(draft)
+    identity = _run_identity(config, target, plain, data)
+    checkpoints = config.out / "checkpoints"
+    step = load_latest_checkpoint(checkpoints, module=plain, optimizer=optimizer, identity=identity)
+    metrics = MetricsLog(config.out / "metrics.jsonl", resume_after=step)
+    batches = _endless(data, skip=step, seed=config.seed)
+    weights = decaying_weights(config.mtp_heads, config.mtp_decay) if config.mtp_heads else []
+    bar = tqdm(total=config.steps, initial=step, desc="distill", disable=None)
+    plain.train()
+    while step < config.steps:
+        set_lr(optimizer, config, step)
+        losses = draft_losses(plain, next(batches), config.objective, weights)
+        optimizer.zero_grad()
+        accelerator.backward(losses["loss"])
+        accelerator.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        step += 1
+        record = {k: round(float(v.detach()), 4) for k, v in losses.items()}
+        bar.update(1)
+        bar.set_postfix(loss=record["loss"], acc=record["accuracy"])
+        metrics.write(step=step, **record)
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            save_checkpoint(
+                checkpoints, step=step, module=plain, optimizer=optimizer, identity=identity
+            )
+        if step % config.eval_every == 0 or step == config.steps:
+            metrics.write(step=step, split="heldout", **evaluate(plain, data, config, weights))
+    bar.close()
+    plain.eval()
+    save_draft(plain, config.out / "draft", dtype=torch.float16)
+    report = DistillReport(
+        step, evaluate(plain, data, config, weights), data.tokens,
+        sum(p.numel() for p in trainable), time.perf_counter() - start_time,
+    )  # fmt: skip
+    (config.out / "report.json").write_text(json.dumps(asdict(report), indent=1))
+    return report
+
+
+def _prepare_data(config: DistillTrainConfig, target: LoadedModel) -> _Data:
+    if config.objective == "text":
+        return _text_data(config, target)
+    prompts = load_train_prompts(
+        config.sources, limit_per_source=config.limit_per_source, seed=config.seed
+    )
+    settings = DistillConfig(max_new_tokens=config.max_new_tokens, topk=config.topk)
+    cache = build_cache(
+        target, prompts, config.data_dir, config=settings, sources=[str(s) for s in config.sources]
+    )
+    counts: Counter[int] = Counter()
+    for index in range(cache.num_samples):
+        if not is_heldout(index, config.heldout_fraction):
+            counts.update(cache.answer_tokens(index).tolist())
+
+    def batches(split: str, seed: int | None) -> Iterator[DistillBatch]:
+        return iter_batches(
+            cache, batch_size=config.batch_size, seq_len=config.seq_len, seed=seed,
+            split=split, heldout_fraction=config.heldout_fraction,
+        )  # fmt: skip
+
+    return _Data(batches, counts, int(cache.manifest["num_tokens"]), cache.manifest["key"])
+
+
+def _text_data(config: DistillTrainConfig, target: LoadedModel) -> _Data:
+    texts = load_texts(config.sources)
+    chunks: TextChunks = tokenize_chunks(texts, target.tokenizer, seq_len=config.seq_len)
+    counts: Counter[int] = Counter()
+    for index in range(chunks.num_chunks):
+        if not is_heldout(index, config.heldout_fraction):
+            counts.update(chunks.tokens[index].tolist())
+
+    def batches(split: str, seed: int | None) -> Iterator[DistillBatch]:
+        return iter_text_batches(
+            chunks, batch_size=config.batch_size, seed=seed, split=split,
+            heldout_fraction=config.heldout_fraction,
+        )  # fmt: skip
+
+    key = hashlib.sha256(chunks.tokens.to(torch.int32).numpy().tobytes()).hexdigest()[:16]
+    return _Data(batches, counts, int(chunks.tokens.numel()), key)
+
+
+def _build_draft(config: DistillTrainConfig, target: LoadedModel, data: _Data) -> DraftLM:
+    torch.manual_seed(config.seed)
+    if config.init_from is not None:
+        return _continued_draft(config, target)
+    vocab = tuple(sorted(token for token, _ in data.counts.most_common(config.draft_vocab)))
+    draft_config = draft_config_for(
+        target.model, num_layers=config.num_layers, draft_vocab=vocab,
+        mtp_heads=config.mtp_heads, objective=config.objective,
+    )  # fmt: skip
+    draft = DraftLM(draft_config, target=target.model)
+    if config.init == "target":
+        init = init_from_target(draft, target.model, list(range(config.num_layers)))
+        draft.draft_config = DraftConfig(**{**asdict(draft_config), "init": init})
+    return draft
+
+
+def _continued_draft(config: DistillTrainConfig, target: LoadedModel) -> DraftLM:
+    """The draft at `init_from`, with `mtp_heads` fresh heads added (continued training)."""
+    start = load_draft(config.init_from, target=target.model)
+    old = start.draft_config
+    init = f"draft:{config.init_from}" + (f" ({old.init})" if old.init else "")
+    new_config = DraftConfig(
+        **{**asdict(old), "mtp_heads": config.mtp_heads, "init": init,
+           "objective": f"{old.objective}+{config.objective}"}
+    )  # fmt: skip
+    draft = DraftLM(new_config, target=target.model)
+    body = {k: v for k, v in start.state_dict().items() if not k.startswith("heads.")}
+    draft.load_state_dict(body, strict=False)
+    return draft.requires_grad_(True)
+
+
+def _endless(data: _Data, *, skip: int, seed: int) -> Iterator[DistillBatch]:
+    """Epoch e shuffles with seed + e; the first `skip` batches are passed over (resume)."""
+    epoch, seen = 0, 0
+    while True:
+        for batch in data.batches("train", seed + epoch):
+            seen += 1
+            if seen > skip:
+                yield batch
+        epoch += 1
+
+
+def draft_losses(
+    draft: DraftLM, batch: DistillBatch, objective: str, weights: list[float]
+) -> dict[str, torch.Tensor]:
+    """The next-token loss (KL to the target's top-k, or CE on the text), plus the MTP
+    heads' Σ λ_i CE_i; also top-1 accuracy against the target's argmax (or the text)."""
+    hidden = draft.hidden(batch.input_ids, attention_mask=batch.attention_mask)  # [B, T, H]
+    logits = draft.projection(hidden)  # [B, T, V']
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    if objective == "distill":
+        loss, accuracy = _kl_loss(draft, batch, log_q)
+    else:
+        loss, accuracy = _text_loss(draft, batch, log_q)
+    result = {"loss": loss, "next_loss": loss.detach(), "accuracy": accuracy}
+    if weights:
+        heads = mtp_losses(draft.heads, batch.input_ids, hidden, batch.loss_mask, weights)
+        result["loss"] = loss + heads.loss
+        for i, acc in enumerate(heads.per_head_accuracy):
+            result[f"head{i}_accuracy"] = torch.tensor(acc)
+    return result
+
+
+def _kl_loss(
+    draft: DraftLM, batch: DistillBatch, log_q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(p || q) over the partition {each cached top-k token the draft can emit, the rest},
+    averaged over positions: a true divergence (>= 0, zero iff q matches p on it) and a
+    lower bound of the full KL, computed from k cached values instead of V."""
+    assert batch.topk_values is not None and batch.topk_indices is not None
+    rows = batch.attention_mask  # [B, T]: every real position, prompt and answer
+    log_p = batch.topk_values[rows].float()  # [M, k]
+    ids = draft.projection.to_draft_ids(batch.topk_indices[rows])  # [M, k], -1 outside
+    inside = ids >= 0
+    picked = log_q[rows].gather(-1, ids.clamp_min(0))  # [M, k]
+    p = torch.where(inside, log_p.exp(), torch.zeros_like(log_p))
+    q = torch.where(inside, picked.exp(), torch.zeros_like(picked))
+    terms = torch.where(inside, p * (log_p - picked), torch.zeros_like(p)).sum(-1)  # [M]
+    p_rest = (1 - p.sum(-1)).clamp_min(0)
+    q_rest = (1 - q.sum(-1)).clamp_min(_TINY)
+    rest = torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(_TINY).log() - q_rest.log()), 0)
+    loss = (terms + rest).mean()
+    answer = batch.loss_mask[rows]  # [M]: where the draft will be asked to draft
+    best = draft.projection.to_full_ids(log_q[rows][answer].argmax(-1))
+    accuracy = (best == batch.topk_indices[rows][answer][:, 0]).float().mean()
+    return loss, accuracy.detach()
+
+
+def _text_loss(
+    draft: DraftLM, batch: DistillBatch, log_q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    labels = draft.projection.to_draft_ids(batch.input_ids[:, 1:])  # [B, T-1], -1 outside
+    rows = batch.attention_mask[:, 1:] & (labels >= 0)
+    loss = F.nll_loss(log_q[:, :-1][rows], labels[rows])
+    full = batch.input_ids[:, 1:][batch.attention_mask[:, 1:]]
+    best = draft.projection.to_full_ids(log_q[:, :-1][batch.attention_mask[:, 1:]].argmax(-1))
+    return loss, (best == full).float().mean().detach()
+
+
+@torch.no_grad()
+def evaluate(
+    draft: DraftLM, data: _Data, config: DistillTrainConfig, weights: list[float]
+) -> dict[str, float]:
+    """Held-out means of the per-batch metrics, weighted by batch."""
+    was_training = draft.training
+    draft.eval()
+    sums: Counter[str] = Counter()
+    batches = 0
+    for batch in data.batches("heldout", None):
+        for name, value in draft_losses(draft, batch, config.objective, weights).items():
+            sums[name] += float(value)
+        batches += 1
+    draft.train(was_training)
+    return {name: round(total / max(1, batches), 4) for name, total in sums.items()}
+
+
+def _run_identity(
+    config: DistillTrainConfig, target: LoadedModel, draft: DraftLM, data: _Data
+) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: model, data, draft, optimisation."""
+    skip = ("out", "sources", "steps", "cache", "eval_every", "checkpoint_every")
+    settings = {k: v for k, v in asdict(config).items() if k not in skip}
+    return {
+        "model": model_fingerprint(target),
+        "data": data.key,
+        "draft": json.loads(draft.draft_config.to_json()),
+        "settings": json.loads(json.dumps(settings, default=str)),
+    }
