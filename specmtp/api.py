@@ -136,7 +136,7 @@ class SpecGenerator:
         profile: Profile | None = None,
     ) -> None:
         self.target = target if isinstance(target, LoadedModel) else load_model(target, dtype=dtype)
-        drafter, vocab = build_drafter(draft, self.target, dtype=dtype)
+        drafter, vocab = build_drafter(draft, self.target, dtype=self.target.model.dtype)
         self.profile = profile
         if profile is not None:  # the kernel plan measured with the profile, if any
             apply_kernel_plan(self.target.model, profile.meta.get("kernel_plan"))

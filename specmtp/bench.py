@@ -38,7 +38,7 @@ from specmtp.kernels import (
     stock_kernels,
     tuned_linear_enabled,
 )
-from specmtp.models import LoadedModel, load_model
+from specmtp.models import DTYPES, LoadedModel, dtype_name, load_model
 from specmtp.profile import Profile, find_profile
 from specmtp.prompts import BenchPrompt, context_text, load_prompt_spec
 from specmtp.stats import GenerationStats, resident_bytes
@@ -57,6 +57,7 @@ def log_to_stderr(line: str) -> None:
 class BenchConfig:
     prompts: tuple[str, ...]  # prompt files or random:COUNTxLENGTH specs
     target: str = "default"
+    dtype: str = "float32"  # a models.DTYPES name, for target and drafts alike
     drafts: tuple[str, ...] = ()  # method specs, see the module docstring
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     default_gamma: str | None = None  # for drafts without @GAMMA: N, auto, best or hf
@@ -71,6 +72,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if not self.prompts:
             raise SpecMTPError("the bench needs --prompts")
+        if self.dtype not in DTYPES:
+            raise SpecMTPError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.warmup < 0 or self.repeats < 1 or self.context_prompts < 1:
             raise SpecMTPError("warmup must be >= 0, repeats and context-prompts >= 1")
         if any(n < 8 for n in self.contexts):
@@ -159,7 +162,8 @@ def build_runner(
         return runner
     if name.startswith(HF_PREFIX):
         return _hf_runner(name, gamma, target)
-    profile = find_profile(target.spec, name) if gamma in ("auto", "best") else None
+    dtype = dtype_name(target.model.dtype)
+    profile = find_profile(target.spec, name, dtype=dtype) if gamma in ("auto", "best") else None
     settings = gamma_settings(gamma, profile)
     replace(base, **settings)  # a bad γ fails now, not after the baseline has run
     return SpecRunner(SpecGenerator(target, draft=name, profile=profile), settings)
@@ -173,7 +177,7 @@ def _hf_runner(name: str, gamma: str, target: LoadedModel) -> HFRunner:
     if method == "hf-assisted":
         if not argument:
             raise SpecMTPError("hf-assisted needs its assistant: hf-assisted:MODEL")
-        assistant = load_model(argument).model
+        assistant = load_model(argument, dtype=target.model.dtype).model
         settings = HFSettings("assisted", num_tokens=int(gamma))  # no early stop of drafting
         return HFRunner(HFGenerator(target.model, settings=settings, assistant=assistant,
                                     eos_token_ids=eos), f"fixed:{gamma}")  # fmt: skip
@@ -397,7 +401,7 @@ def context_sweep(
 def run_bench(config: BenchConfig, *, log: Log = log_to_stderr) -> BenchResult:
     """Load the target once, warm every method up, then measure them interleaved."""
     log(f"loading target {config.target}")
-    target = load_model(config.target)
+    target = load_model(config.target, dtype=DTYPES[config.dtype])
     prompts = _load_prompts(config, target)
     if config.contexts and sum(p.text is not None for p in prompts) < 2:
         raise SpecMTPError("a context sweep needs at least 2 text prompts to build documents from")

@@ -27,6 +27,7 @@ from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.distill import OBJECTIVES, DistillTrainConfig, train_draft
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import set_tuned_linear
+from specmtp.models import DTYPES
 from specmtp.profile import Profile, find_profile
 from specmtp.report import plot_tune, write_report
 from specmtp.train import TrainConfig, train_mtp
@@ -46,6 +47,13 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="use F.linear everywhere instead of the measured faster kernel for few-row "
         "products on CPU (see specmtp.kernels)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="float32",
+        help="weights and activations of target and draft (default %(default)s; bfloat16 is "
+        "much faster on CPUs with AMX/AVX512-BF16, and SD is lossless to the bfloat16 model)",
     )
     parser.add_argument(
         "--threads",
@@ -252,11 +260,19 @@ def _add_distill_command(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     distill.add_argument("--out", type=Path, required=True, help="run directory (resumable)")
     distill.add_argument("--target", default="default", help="target model spec")
+    distill.add_argument(
+        "--dtype", choices=list(DTYPES), default=defaults["dtype"],
+        help="the target's dtype while it answers and scores the data (default float32)",
+    )  # fmt: skip
     distill.add_argument("--threads", type=int, help="CPU threads for torch")
     distill.add_argument("--objective", choices=OBJECTIVES, default=defaults["objective"])
     distill.add_argument("--init", choices=["target", "random"], default=defaults["init"])
     distill.add_argument("--init-from", type=Path, help="a draft directory to continue training")
     distill.add_argument("--cache", type=Path, help="data cache directory (default OUT/data)")
+    distill.add_argument(
+        "--mixed-precision", choices=["no", "bf16"], default=defaults["mixed_precision"],
+        help="bf16: autocast matmuls (much faster on CPUs with AMX/AVX512-BF16)",
+    )  # fmt: skip
     for name, kind in [
         ("num_layers", int), ("draft_vocab", int), ("mtp_heads", int), ("mtp_decay", float),
         ("topk", int), ("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
@@ -292,11 +308,13 @@ def generation_settings(
     return settings
 
 
-def _profile_for(target: str, draft: str | None, gamma: str | None, path: Path | None):
+def _profile_for(
+    target: str, draft: str | None, gamma: str | None, path: Path | None, dtype: str
+) -> Profile | None:
     """The tuning profile that `--gamma auto/best` starts from, if any."""
     if draft is None or (gamma not in ("auto", "best") and path is None):
         return None
-    profile = find_profile(target, draft, path)
+    profile = find_profile(target, draft, path, dtype=dtype)
     if profile is None and gamma == "auto":
         print(
             f"specmtp: no tuning profile for {target} with {draft}; the adaptive schedule "
@@ -307,9 +325,11 @@ def _profile_for(target: str, draft: str | None, gamma: str | None, path: Path |
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    profile = _profile_for(args.target, args.draft, args.gamma, args.profile)
+    profile = _profile_for(args.target, args.draft, args.gamma, args.profile, args.dtype)
     config = make_config(**generation_settings(args, profile))  # fails before any model load
-    generator = SpecGenerator(args.target, draft=args.draft, profile=profile)
+    generator = SpecGenerator(
+        args.target, draft=args.draft, profile=profile, dtype=DTYPES[args.dtype]
+    )
     if args.stream:
         for delta in generator.stream(args.prompt, chat=args.chat, config=config):
             print(delta, end="", flush=True)
@@ -342,6 +362,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(
         prompts=tuple(args.prompts),
         target=args.target,
+        dtype=args.dtype,
         drafts=tuple(args.drafts),
         generation=make_config(**generation_settings(args, gamma=False)),
         default_gamma=args.gamma,
@@ -368,6 +389,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     config = TuneConfig(
         prompts=tuple(args.prompts),
         target=args.target,
+        dtype=args.dtype,
         draft=args.draft,
         max_gamma=args.max_gamma,
         limit=args.limit,

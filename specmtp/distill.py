@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -32,7 +33,9 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from specmtp.cache import CachedModel
 from specmtp.checkpoint import load_latest_checkpoint, save_checkpoint
+from specmtp.costmodel import measure_verify_costs
 from specmtp.data import (
     DistillBatch,
     DistillConfig,
@@ -51,7 +54,7 @@ from specmtp.draft_model import (
     save_draft,
 )
 from specmtp.errors import SpecMTPError
-from specmtp.models import LoadedModel, load_model
+from specmtp.models import DTYPES, LoadedModel, load_model
 from specmtp.mtp_loss import decaying_weights, mtp_losses
 from specmtp.text_data import TextChunks, iter_text_batches, load_texts, tokenize_chunks
 from specmtp.train import MetricsLog, set_lr
@@ -67,6 +70,10 @@ class DistillTrainConfig:
     sources: tuple[Path, ...]  # prompts (distill) or .txt files and folders (text)
     out: Path
     target: str = "default"
+    # The target's dtype while it answers and scores the data: distil the model you will
+    # serve (bfloat16 targets answer a little differently from float32 ones). The draft
+    # itself trains in float32 (see mixed_precision).
+    dtype: str = "float32"
     objective: str = "distill"
     num_layers: int = 2
     init: str = "target"  # "target": copy the target's first layers; "random"
@@ -86,6 +93,9 @@ class DistillTrainConfig:
     max_new_tokens: int = 128
     seed: int = 0
     cache: Path | None = None  # the data cache directory (default: out/data)
+    # "bf16": autocast matmuls to bfloat16 (weights and optimizer stay float32). On CPUs with
+    # AMX or AVX512-BF16 a training step runs several times faster.
+    mixed_precision: str = "no"
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -102,6 +112,12 @@ class DistillTrainConfig:
             raise SpecMTPError("need mtp-heads >= 0, mtp-decay in (0, 1] and lr > 0")
         if not 0 < self.heldout_fraction < 1:
             raise SpecMTPError("heldout-fraction must be in (0, 1)")
+        if self.dtype not in DTYPES:
+            raise SpecMTPError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.mixed_precision not in ("no", "bf16"):
+            raise SpecMTPError(
+                f"mixed-precision must be 'no' or 'bf16', got {self.mixed_precision!r}"
+            )
 
     @property
     def data_dir(self) -> Path:
@@ -114,6 +130,7 @@ class DistillReport:
     heldout: dict[str, Any]  # agreement with the target (or next-token accuracy), heads
     tokens: int  # tokens in the training data
     draft_parameters: int  # trained parameters (the shared target tensors excluded)
+    step_cost_ratio: float  # c: draft one-token step time / target one-token step time
     seconds: float
 
 
@@ -130,12 +147,12 @@ class _Data:
 def train_draft(config: DistillTrainConfig) -> DistillReport:
     start_time = time.perf_counter()
     config.out.mkdir(parents=True, exist_ok=True)
-    target = load_model(config.target)
+    target = load_model(config.target, dtype=DTYPES[config.dtype])
     data = _prepare_data(config, target)
-    draft = _build_draft(config, target, data)
+    draft = _build_draft(config, target, data).float()  # float32 master weights
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
-    accelerator = Accelerator()
+    accelerator = Accelerator(mixed_precision=config.mixed_precision)
     draft, optimizer = accelerator.prepare(draft, optimizer)
     plain: DraftLM = accelerator.unwrap_model(draft)
     identity = _run_identity(config, target, plain, data)
@@ -148,7 +165,8 @@ def train_draft(config: DistillTrainConfig) -> DistillReport:
     plain.train()
     while step < config.steps:
         set_lr(optimizer, config, step)
-        losses = draft_losses(plain, next(batches), config.objective, weights)
+        with accelerator.autocast():
+            losses = draft_losses(plain, next(batches), config.objective, weights)
         optimizer.zero_grad()
         accelerator.backward(losses["loss"])
         accelerator.clip_grad_norm_(trainable, 1.0)
@@ -169,10 +187,24 @@ def train_draft(config: DistillTrainConfig) -> DistillReport:
     save_draft(plain, config.out / "draft", dtype=torch.float16)
     report = DistillReport(
         step, evaluate(plain, data, config, weights), data.tokens,
-        sum(p.numel() for p in trainable), time.perf_counter() - start_time,
+        sum(p.numel() for p in trainable), step_cost_ratio(plain, target),
+        time.perf_counter() - start_time,
     )  # fmt: skip
     (config.out / "report.json").write_text(json.dumps(asdict(report), indent=1))
     return report
+
+
+def step_cost_ratio(draft: DraftLM, target: LoadedModel, *, rounds: int = 5) -> float:
+    """c = draft step / target step: one-token forwards after a 64-token prefill, medians
+    of interleaved rounds (both on this machine, in this process)."""
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    runners = [CachedModel(m, vocab_size=vocab) for m in (draft, target.model)]
+    ids = [2 + i % 64 for i in range(65)]  # content does not change the cost
+    times: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        for runner, found in zip(runners, times, strict=True):
+            found.append(measure_verify_costs(runner, ids, max_tokens=1, repeats=5)[0])
+    return round(statistics.median(times[0]) / statistics.median(times[1]), 4)
 
 
 def _prepare_data(config: DistillTrainConfig, target: LoadedModel) -> _Data:

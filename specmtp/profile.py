@@ -99,14 +99,18 @@ def _list(value: Any) -> list[Any]:
     return value
 
 
-def default_profile_path(target: str, draft: str) -> Path:
-    """Where tune writes, and `--gamma auto` looks, by default: one file per pair."""
+def default_profile_path(target: str, draft: str, dtype: str = "float32") -> Path:
+    """Where tune writes, and `--gamma auto` looks, by default: one file per pair and
+    dtype (costs differ by dtype; float32 keeps the plain pair name)."""
     root = Path(os.environ.get("SPECMTP_CACHE") or "~/.cache/specmtp").expanduser()
-    slug = "__".join(re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") for s in (target, draft))
+    names = (target, draft) if dtype == "float32" else (target, draft, dtype)
+    slug = "__".join(re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") for s in names)
     return root / "profiles" / f"{slug}.json"
 
 
-def find_profile(target: str, draft: str, path: Path | None = None) -> Profile | None:
+def find_profile(
+    target: str, draft: str, path: Path | None = None, *, dtype: str = "float32"
+) -> Profile | None:
     """The profile at `path` (which must exist), else the default one for the pair if any."""
     if path is not None:
         profile = Profile.load(path)
@@ -116,5 +120,5 @@ def find_profile(target: str, draft: str, path: Path | None = None) -> Profile |
                 f"{profile.draft!r}, not {target!r} with {draft!r}"
             )
         return profile
-    default = default_profile_path(target, draft)
+    default = default_profile_path(target, draft, dtype)
     return Profile.load(default) if default.exists() else None

@@ -30,7 +30,7 @@ from specmtp.costmodel import (
 from specmtp.data import load_train_prompts
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import measure_kernel_plan
-from specmtp.models import load_model
+from specmtp.models import DTYPES, load_model
 from specmtp.profile import Profile, default_profile_path
 from specmtp.stats import GenerationStats
 
@@ -41,6 +41,7 @@ Log = Callable[[str], None]
 class TuneConfig:
     prompts: tuple[Path, ...]
     target: str = "default"
+    dtype: str = "float32"  # a models.DTYPES name
     draft: str = "ngram"
     max_gamma: int = 8
     limit: int = 8  # prompts used, after a seeded shuffle of the sources
@@ -53,6 +54,8 @@ class TuneConfig:
     def __post_init__(self) -> None:
         if not self.prompts:
             raise SpecMTPError("tune needs --prompts (training prompts)")
+        if self.dtype not in DTYPES:
+            raise SpecMTPError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         for path in self.prompts:
             if "eval" in Path(path).resolve().parts:
                 raise SpecMTPError(
@@ -67,7 +70,7 @@ class TuneConfig:
 
     @property
     def profile_path(self) -> Path:
-        return self.out or default_profile_path(self.target, self.draft)
+        return self.out or default_profile_path(self.target, self.draft, self.dtype)
 
 
 def _generation(config: TuneConfig, gamma: int) -> GenerationConfig:
@@ -172,7 +175,7 @@ def build_profile(
 def run_tune(config: TuneConfig, *, log: Log) -> Profile:
     texts = load_train_prompts(config.prompts, seed=config.seed)[: config.limit]
     log(f"loading target {config.target} and draft {config.draft}")
-    target = load_model(config.target)
+    target = load_model(config.target, dtype=DTYPES[config.dtype])
     plain, spec = SpecGenerator(target), SpecGenerator(target, draft=config.draft)
     prompt_ids = [plain.encode(text, chat=True) for text in texts]
     plan = measure_kernel_plan(spec.decoder.target, prompt_ids[0])
