@@ -185,9 +185,10 @@ def train_draft(config: DistillTrainConfig) -> DistillReport:
     bar.close()
     plain.eval()
     save_draft(plain, config.out / "draft", dtype=torch.float16)
+    saved = load_draft(config.out / "draft", target=target.model)  # as it will draft
     report = DistillReport(
         step, evaluate(plain, data, config, weights), data.tokens,
-        sum(p.numel() for p in trainable), step_cost_ratio(plain, target),
+        sum(p.numel() for p in trainable), step_cost_ratio(saved, target),
         time.perf_counter() - start_time,
     )  # fmt: skip
     (config.out / "report.json").write_text(json.dumps(asdict(report), indent=1))
@@ -331,7 +332,10 @@ def _kl_loss(
     q_rest = (1 - q.sum(-1)).clamp_min(_TINY)
     rest = torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(_TINY).log() - q_rest.log()), 0)
     loss = (terms + rest).mean()
-    answer = batch.loss_mask[rows]  # [M]: where the draft will be asked to draft
+    # Position t predicts x_{t+1}: score the positions whose next token is an answer token.
+    predicts_answer = torch.zeros_like(batch.loss_mask)
+    predicts_answer[:, :-1] = batch.loss_mask[:, 1:]
+    answer = predicts_answer[rows]  # [M]
     best = draft.projection.to_full_ids(log_q[rows][answer].argmax(-1))
     accuracy = (best == batch.topk_indices[rows][answer][:, 0]).float().mean()
     return loss, accuracy.detach()

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -79,14 +80,19 @@ class DraftConfig:
     init: str = "random"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "num_layers"):
+        for name, least in (("vocab_size", 1), ("num_layers", 1), ("mtp_heads", 0)):
             value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
-                raise SpecMTPError(f"draft {name} must be an integer >= 1, got {value!r}")
-        if not (isinstance(self.mtp_heads, int) and self.mtp_heads >= 0):
-            raise SpecMTPError(f"draft mtp_heads must be an integer >= 0, got {self.mtp_heads!r}")
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+                raise SpecMTPError(f"draft {name} must be an integer >= {least}, got {value!r}")
         if not isinstance(self.body, dict) or not isinstance(self.body.get("hidden_size"), int):
             raise SpecMTPError("draft body must be an object with an integer hidden_size")
+        if unknown := sorted(set(self.body) - set(_BODY_KEYS)):
+            raise SpecMTPError(f"draft body has fields {unknown}; allowed: {list(_BODY_KEYS)}")
+        try:
+            self.llama_config()
+        except (TypeError, ValueError, StrictDataclassError) as exc:  # transformers' checks
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise SpecMTPError(f"draft body is not a valid Llama configuration: {first}") from exc
         if self.draft_vocab is not None:
             # HeadsConfig validates a draft vocabulary the same way; reuse it.
             self.heads_config()

@@ -31,9 +31,10 @@ from specmtp.draft_model import (
     load_draft,
     save_draft,
 )
-from specmtp.drafters import DraftModelDrafter, Proposal
+from specmtp.drafters import DraftModelDrafter, Outcome, Proposal
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel, load_model
+from specmtp.sampling import logits_to_probs
 from specmtp.verification import verify_rejection_sampling
 
 PROMPT = [5, 17, 3, 88, 41, 5, 17, 3, 60, 2, 33, 71]
@@ -122,14 +123,21 @@ def test_config_refuses_malformed_json(text: str, message: str) -> None:
         DraftConfig.from_json(text)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DraftConfig.__post_init__ (draft_model.py) checks isinstance(value, int), which "
-    "accepts bools: num_layers=true loads as a 1-layer draft, while HeadsConfig refuses bools",
-)
 def test_config_refuses_a_bool_layer_count(target: PreTrainedModel) -> None:
     with pytest.raises(SpecMTPError, match="num_layers"):
         DraftConfig.from_json(_edited(target, num_layers=True))
+
+
+@pytest.mark.parametrize("body", [{"num_hidden_layers": 2}, {"intermediate_size": "64"}])
+def test_load_refuses_a_draft_config_with_a_bad_body(
+    target: PreTrainedModel, tmp_path: Path, body: dict
+) -> None:
+    save_draft(make_draft(target), tmp_path)
+    config = json.loads((tmp_path / DRAFT_CONFIG).read_text())
+    config["body"] |= body
+    (tmp_path / DRAFT_CONFIG).write_text(json.dumps(config))
+    with pytest.raises(SpecMTPError):
+        load_draft(tmp_path, target=target)
 
 
 # --- the draft that is its target: the obviously-correct reference --------------------------
@@ -329,7 +337,7 @@ def test_greedy_decoding_with_a_draft_model_matches_hf(
         assert stats.accepted_tokens == stats.drafted_tokens
         assert stats.mean_accepted_tokens > gamma
     if kind == "random":
-        assert stats.accepted_tokens < 0.5 * stats.drafted_tokens
+        assert stats.accepted_tokens < stats.drafted_tokens
     if kind == "mtp" and gamma > 1:  # the LM head's token passes, the heads' rarely
         assert stats.drafted_tokens > stats.accepted_tokens >= stats.rounds - 1
 
@@ -374,6 +382,45 @@ def test_multi_token_drafting_needs_fewer_draft_forwards(
     assert spy.forwards == sum(math.ceil(k / per_forward) for k in spy.proposed)
     if multi_token:
         assert spy.forwards < drafted / 2
+
+
+def reference_rows(draft: DraftLM, context: list[int], drafted: list[int]) -> torch.Tensor:
+    """The slow reference for multi-token drafting: the full-vocabulary logits [k, V] each
+    drafted token should come from. Every forward is a fresh one over the whole context and
+    the tokens of earlier forwards; it yields the LM head's row, then each head's."""
+    per_forward = 1 + draft.draft_config.mtp_heads
+    rows: list[torch.Tensor] = []
+    for start in range(0, len(drafted), per_forward):
+        with torch.no_grad():
+            hidden = draft.hidden(torch.tensor([context + drafted[:start]]))[:, -1:]  # [1, 1, H]
+            step = [draft.projection(hidden[:, 0]), *draft.head_logits(hidden)[:, :, 0].unbind(1)]
+        rows += [draft.projection.to_full_logits(row)[0] for row in step]  # each [V]
+    return torch.stack(rows[: len(drafted)])
+
+
+def test_multi_token_proposals_match_the_slow_reference(target: PreTrainedModel) -> None:
+    draft = make_draft(target, vocab=SOME_VOCAB, heads=2, copy=False)
+    drafter = DraftModelDrafter(draft, vocab_size=TINY_VOCAB, multi_token=True)
+    drafter.reset()
+    greedy, sampled = SamplingConfig(), SamplingConfig(temperature=1.0)
+    context = PROMPT[:8]
+    proposal = drafter.propose(torch.tensor([context]), 5, greedy, None)
+    drafted = proposal.tokens[0].tolist()
+    assert len(drafted) == 5 and proposal.probs is None
+    assert drafted == reference_rows(draft, context, drafted).argmax(-1).tolist()
+    # The target keeps two drafts and corrects the third: the drafter rolls back to that.
+    context = [*context, *drafted[:2], (drafted[2] + 1) % TINY_VOCAB]
+    drafter.observe(Outcome(torch.tensor([context]), num_accepted=2, target_hidden=None))
+    generator = torch.Generator().manual_seed(0)
+    for k in (4, 1, 6):
+        proposal = drafter.propose(torch.tensor([context]), k, sampled, generator)
+        drafted = proposal.tokens[0].tolist()
+        assert proposal.probs is not None and proposal.probs.shape == (1, k, TINY_VOCAB)
+        expected = logits_to_probs(reference_rows(draft, context, drafted), sampled)
+        torch.testing.assert_close(proposal.probs[0], expected, atol=1e-5, rtol=1e-4)
+        assert (proposal.probs[0].gather(-1, proposal.tokens[0, :, None]) > 0).all()
+        context = [*context, *drafted[:1], 0]  # one kept, then a correction
+        drafter.observe(Outcome(torch.tensor([context]), num_accepted=1, target_hidden=None))
 
 
 def test_multi_token_drafting_needs_heads(target: PreTrainedModel) -> None:
@@ -427,10 +474,9 @@ def test_generator_with_a_saved_draft_matches_hf(
 
 
 def test_generator_takes_a_drafter_object(loaded_target: LoadedModel) -> None:
-    drafter = DraftModelDrafter(
-        make_draft(loaded_target.model, heads=2, copy=False), vocab_size=len(
-            loaded_target.tokenizer), multi_token=True
-    )  # fmt: skip
+    draft = make_draft(loaded_target.model, heads=2, copy=False)
+    vocab = len(loaded_target.tokenizer)
+    drafter = DraftModelDrafter(draft, vocab_size=vocab, multi_token=True)
     assert build_drafter(drafter, loaded_target)[0] is drafter
     generator = SpecGenerator(loaded_target, draft=drafter)
     prompt = loaded_target.tokenizer("Count to ten:").input_ids
@@ -458,24 +504,28 @@ def test_bad_draft_specs_are_refused(
 # --- sampling: lossless with a multi-token draft model -------------------------------------
 
 
+EXCLUDED = 4  # the target's likeliest first token; the draft can never propose it
+
+
 @pytest.fixture(scope="module")
 def peaked() -> tuple[PreTrainedModel, DraftLM]:
     """lossless_models' peaked target, and a draft of it with the perturbed copy's layers,
-    a draft vocabulary missing one token, and two MTP heads off their identity start."""
+    a draft vocabulary without EXCLUDED, and two MTP heads well off their identity start."""
     target, perturbed = peaked_target_and_draft()
-    config = draft_config_for(target, num_layers=2, draft_vocab=(0, 1, 2, 3, 4, 5, 7), mtp_heads=2)
+    vocab = tuple(i for i in range(TINY_V) if i != EXCLUDED)
+    config = draft_config_for(target, num_layers=2, draft_vocab=vocab, mtp_heads=2)
     torch.manual_seed(0)
     draft = DraftLM(config, target=target)
     init_from_target(draft, perturbed, [0, 1])
     with torch.no_grad():
         for param in draft.heads.parameters():
-            param.normal_(0, 0.05)
+            param.normal_(0, 0.3)
     return target, draft.eval()
 
 
 class WrongHeadQ(DraftModelDrafter):
-    """Lossy: the heads' tokens are drawn from the heads' q, but reported with the LM
-    head's q of the same forward (as if one distribution served every drafted token)."""
+    """Lossy: the first head's token is drawn from that head's q but reported with the LM
+    head's q of the same forward, as if one distribution served every token of a forward."""
 
     def propose(
         self,
@@ -492,7 +542,7 @@ class WrongHeadQ(DraftModelDrafter):
         return Proposal(proposal.tokens, probs)
 
 
-LOOP_SAMPLES = 3000
+LOOP_SAMPLES = 3000  # generations per case, about 3 ms each
 
 
 @pytest.mark.parametrize(
@@ -508,21 +558,19 @@ def test_multi_token_draft_model_emits_the_target_joint(
     counts = decoder_counts(target, drafter, SAMPLINGS[sampling], LOOP_SAMPLES)
     assert spy.bonus_rounds > 0.1 * spy.drafting_rounds, vars(spy)
     assert spy.rejecting_rounds > 0.1 * spy.drafting_rounds, vars(spy)
-    # the token outside the draft vocabulary is still emitted, from the residual
-    expected = target_joint(target, SAMPLINGS[sampling])
-    assert counts[6].sum() > 0 and expected[6].sum() > 0.01
-    result = fit(counts, expected)
+    # q is 0 on EXCLUDED; it still comes first about as often as p says, from the residual
+    assert counts[EXCLUDED].sum() > 0.3 * LOOP_SAMPLES
+    result = fit(counts, target_joint(target, SAMPLINGS[sampling]))
     assert result.passes, result
 
 
 @pytest.mark.slow
-def test_a_multi_token_drafter_with_the_wrong_q_fails_the_same_check(
+def test_a_multi_token_drafter_reporting_the_wrong_q_fails_the_same_check(
     peaked: tuple[PreTrainedModel, DraftLM],
 ) -> None:
     target, draft = peaked
     sampling = SAMPLINGS["t1.0"]
     drafter = WrongHeadQ(draft, vocab_size=TINY_V, multi_token=True)
-    result = fit(
-        decoder_counts(target, drafter, sampling, LOOP_SAMPLES), target_joint(target, sampling)
-    )
-    assert result.p_value < P_FAIL and result.tv > result.tv_bound, result
+    counts = decoder_counts(target, drafter, sampling, LOOP_SAMPLES)
+    result = fit(counts, target_joint(target, sampling))
+    assert result.p_value < P_FAIL and not result.passes, result
