@@ -223,6 +223,25 @@ def _add_tune_command(commands: argparse._SubParsersAction) -> None:
     tune.set_defaults(run=cmd_tune)
 
 
+# Config fields that train-mtp and distill both expose as --flags.
+_TRAINING_FLAGS = [
+    ("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
+    ("checkpoint_every", int), ("eval_every", int), ("heldout_fraction", float),
+    ("limit_per_source", int), ("max_new_tokens", int), ("seed", int),
+]  # fmt: skip
+
+
+def _add_field_flags(
+    parser: argparse.ArgumentParser, defaults: dict[str, Any], fields: list[tuple[str, type]]
+) -> None:
+    """--field-name for each config field, typed, with the config's default."""
+    for name, kind in fields:
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(
+            flag, type=kind, default=defaults[name], help=f"default {defaults[name]}"
+        )
+
+
 def _add_train_mtp_command(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser(
         "train-mtp", help="train MTP heads on a frozen target by self-distillation"
@@ -236,16 +255,10 @@ def _add_train_mtp_command(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--target", default="default", help="target model spec")
     train.add_argument("--threads", type=int, help="CPU threads for torch")
     train.add_argument("--kind", choices=["parallel", "sequential"], default=defaults["kind"])
-    for name, kind in [
+    _add_field_flags(train, defaults, [
         ("num_heads", int), ("num_layers", int), ("draft_vocab", int), ("decay", float),
-        ("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
-        ("checkpoint_every", int), ("eval_every", int), ("heldout_fraction", float),
-        ("limit_per_source", int), ("max_new_tokens", int), ("seed", int),
-    ]:  # fmt: skip
-        flag = "--" + name.replace("_", "-")
-        train.add_argument(
-            flag, type=kind, default=defaults[name], help=f"default {defaults[name]}"
-        )
+        *_TRAINING_FLAGS,
+    ])  # fmt: skip
     train.set_defaults(run=cmd_train_mtp)
 
 
@@ -273,16 +286,10 @@ def _add_distill_command(commands: argparse._SubParsersAction) -> None:
         "--mixed-precision", choices=["no", "bf16"], default=defaults["mixed_precision"],
         help="bf16: autocast matmuls (much faster on CPUs with AMX/AVX512-BF16)",
     )  # fmt: skip
-    for name, kind in [
+    _add_field_flags(distill, defaults, [
         ("num_layers", int), ("draft_vocab", int), ("mtp_heads", int), ("mtp_decay", float),
-        ("topk", int), ("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
-        ("checkpoint_every", int), ("eval_every", int), ("heldout_fraction", float),
-        ("limit_per_source", int), ("max_new_tokens", int), ("seed", int),
-    ]:  # fmt: skip
-        flag = "--" + name.replace("_", "-")
-        distill.add_argument(
-            flag, type=kind, default=defaults[name], help=f"default {defaults[name]}"
-        )
+        ("topk", int), *_TRAINING_FLAGS,
+    ])  # fmt: skip
     distill.set_defaults(run=cmd_distill)
 
 

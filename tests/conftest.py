@@ -21,6 +21,7 @@ from transformers import (
 )
 
 from specmtp.cli import main
+from specmtp.models import load_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Tiny models gain nothing from threads, and on a shared 2-core machine a second thread
@@ -63,6 +64,18 @@ def tiny_model(
         raise ValueError(arch)
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the default model's tokenizer, as a model directory."""
+    tokenizer = load_model("default").tokenizer
+    path = tmp_path_factory.mktemp("tiny-target")
+    model = tiny_model("llama", seed=0, vocab_size=len(tokenizer), context=512)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def perturbed_copy(model: PreTrainedModel, *, scale: float, seed: int) -> PreTrainedModel:

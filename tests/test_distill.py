@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_cli, tiny_model
+from conftest import run_cli
 from safetensors.torch import load_file
 
 from specmtp.data import DistillBatch, DistillCache, is_heldout
@@ -36,18 +36,6 @@ TEXT = (
     "Children counted the days until the water fell, and the baker sold bread from a cart. "
     "In summer the fields turned gold, the swallows came back, and the old mill turned again."
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama with the default model's tokenizer, as a model directory."""
-    tokenizer = load_model("default").tokenizer
-    path = tmp_path_factory.mktemp("tiny-target")
-    model = tiny_model("llama", seed=0, vocab_size=len(tokenizer), context=512)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -432,15 +432,8 @@ def test_multi_token_drafting_needs_heads(target: PreTrainedModel) -> None:
 
 
 @pytest.fixture(scope="module")
-def loaded_target(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    """A tiny random Llama with the default model's tokenizer, loaded from its directory."""
-    tokenizer = load_model("default").tokenizer
-    path = tmp_path_factory.mktemp("tiny-target")
-    model = tiny_model("llama", seed=0, vocab_size=len(tokenizer), context=512)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return load_model(str(path))
+def loaded_target(tiny_target: Path) -> LoadedModel:
+    return load_model(str(tiny_target))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
 from safetensors.torch import load_file
 
 from specmtp.cli import main
@@ -19,18 +18,6 @@ from specmtp.tree import TREE_FILE, TokenTree
 PROMPTS = "\n\n".join(
     f"Question {i}: list {i} colours, then count them one by one." for i in range(12)
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama with the default model's tokenizer, as a model directory."""
-    tokenizer = load_model("default").tokenizer
-    path = tmp_path_factory.mktemp("tiny-target")
-    model = tiny_model("llama", seed=0, vocab_size=len(tokenizer), context=512)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
