@@ -52,8 +52,8 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=list(DTYPES),
         default="float32",
-        help="weights and activations of target and draft (default %(default)s; bfloat16 is "
-        "much faster on CPUs with AMX/AVX512-BF16, and SD is lossless to the bfloat16 model)",
+        help="weights and activations of target and draft (default %(default)s); bfloat16 is "
+        "much faster on CPUs with AVX512-BF16 or AMX; SD is lossless to the bfloat16 model",
     )
     parser.add_argument(
         "--threads",
@@ -284,7 +284,7 @@ def _add_distill_command(commands: argparse._SubParsersAction) -> None:
     distill.add_argument("--cache", type=Path, help="data cache directory (default OUT/data)")
     distill.add_argument(
         "--mixed-precision", choices=["no", "bf16"], default=defaults["mixed_precision"],
-        help="bf16: autocast matmuls (much faster on CPUs with AMX/AVX512-BF16)",
+        help="bf16: autocast matmuls (much faster on CPUs with AVX512-BF16 or AMX)",
     )  # fmt: skip
     _add_field_flags(distill, defaults, [
         ("num_layers", int), ("draft_vocab", int), ("mtp_heads", int), ("mtp_decay", float),
