@@ -52,8 +52,9 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=list(DTYPES),
         default="float32",
-        help="weights and activations of target and draft (default %(default)s); bfloat16 is "
-        "much faster on CPUs with AVX512-BF16 or AMX; SD is lossless to the bfloat16 model",
+        help="weights and activations of target and draft (default %(default)s). bfloat16 "
+        "is faster on CPUs with AVX512-BF16 or AMX, but not exact: multi-token verify passes "
+        "round differently from one-token steps, so greedy output can differ at near-ties",
     )
     parser.add_argument(
         "--threads",
@@ -255,6 +256,15 @@ def _add_train_mtp_command(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--target", default="default", help="target model spec")
     train.add_argument("--threads", type=int, help="CPU threads for torch")
     train.add_argument("--kind", choices=["parallel", "sequential"], default=defaults["kind"])
+    train.add_argument(
+        "--dtype", choices=list(DTYPES), default=defaults["dtype"],
+        help="the target's dtype while it builds the data (default float32)",
+    )  # fmt: skip
+    train.add_argument("--cache", type=Path, help="an existing data cache with hidden states")
+    train.add_argument(
+        "--mixed-precision", choices=["no", "bf16"], default=defaults["mixed_precision"],
+        help="bf16: autocast matmuls (much faster on CPUs with AVX512-BF16 or AMX)",
+    )  # fmt: skip
     _add_field_flags(train, defaults, [
         ("num_heads", int), ("num_layers", int), ("draft_vocab", int), ("decay", float),
         *_TRAINING_FLAGS,

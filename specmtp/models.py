@@ -89,8 +89,10 @@ class _Source:
     local: bool
 
 
-# --dtype names: float32 is the reference; bfloat16 runs several times faster on CPUs with
-# AMX or AVX512-BF16 (its outputs are the bfloat16 model's, to which SD is then lossless).
+# --dtype names. float32 is the reference. bfloat16 runs faster on CPUs with AVX512-BF16 or
+# AMX, but its rounding depends on how many tokens a forward holds: a verify pass over k+1
+# tokens can flip a near-tied argmax that one-token steps would not, so greedy SD output can
+# differ from plain bfloat16 decoding (the bench counts it as greedy_mismatches).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

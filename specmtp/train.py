@@ -35,7 +35,7 @@ from specmtp.data import (
 )
 from specmtp.errors import SpecMTPError
 from specmtp.heads import Heads, HeadsConfig, build_heads, describe_target, save_heads
-from specmtp.models import LoadedModel, load_model
+from specmtp.models import DTYPES, LoadedModel, load_model
 from specmtp.mtp_loss import RANKS, decaying_weights, mtp_losses
 from specmtp.tree import TREE_FILE, best_tree
 
@@ -68,6 +68,9 @@ class TrainConfig:
     max_new_tokens: int = 128
     seed: int = 0
     data: DistillConfig = field(default_factory=DistillConfig)
+    dtype: str = "float32"  # the target's dtype while it builds (and must match) the data
+    cache: Path | None = None  # an existing data cache with hidden states (else out/data)
+    mixed_precision: str = "no"  # "bf16": autocast matmuls; heads stay float32
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -78,6 +81,10 @@ class TrainConfig:
                 raise SpecMTPError(f"{name.replace('_', '-')} must be >= 1")
         if self.draft_vocab < 0 or not 0 < self.decay <= 1 or self.lr <= 0:
             raise SpecMTPError("need draft-vocab >= 0, decay in (0, 1] and lr > 0")
+        if self.dtype not in DTYPES or self.mixed_precision not in ("no", "bf16"):
+            raise SpecMTPError(
+                f"dtype must be one of {list(DTYPES)} and mixed-precision 'no' or 'bf16'"
+            )
 
 
 @dataclass(frozen=True)
@@ -91,21 +98,15 @@ class TrainReport:
 
 def train_mtp(config: TrainConfig) -> TrainReport:
     start_time = time.perf_counter()
-    target = load_model(config.target)
-    prompts = load_train_prompts(
-        config.sources, limit_per_source=config.limit_per_source, seed=config.seed
-    )
-    data_config = DistillConfig(**{**asdict(config.data), "max_new_tokens": config.max_new_tokens})
-    cache = build_cache(
-        target, prompts, config.out / "data", config=data_config,
-        sources=[str(s) for s in config.sources],
-    )  # fmt: skip
+    config.out.mkdir(parents=True, exist_ok=True)
+    target = load_model(config.target, dtype=DTYPES[config.dtype])
+    cache = _data_cache(config, target)
     heads_config = make_heads_config(config, target, cache)
     torch.manual_seed(config.seed)
-    heads = build_heads(heads_config, target.model)
+    heads = build_heads(heads_config, target.model).float()  # float32 master weights
     trainable = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
-    accelerator = Accelerator()
+    accelerator = Accelerator(mixed_precision=config.mixed_precision)
     heads, optimizer = accelerator.prepare(heads, optimizer)
     plain = accelerator.unwrap_model(heads)
     identity = run_identity(config, target, cache, heads_config)
@@ -118,7 +119,10 @@ def train_mtp(config: TrainConfig) -> TrainReport:
     while step < config.steps:
         batch = next(batches)
         set_lr(optimizer, config, step)
-        losses = mtp_losses(plain, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights)
+        with accelerator.autocast():
+            losses = mtp_losses(
+                plain, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights
+            )
         optimizer.zero_grad()
         accelerator.backward(losses.loss)
         accelerator.clip_grad_norm_(trainable, 1.0)
@@ -143,6 +147,24 @@ def train_mtp(config: TrainConfig) -> TrainReport:
     report = TrainReport(step, heldout, rank_probs, int(cache.manifest["num_tokens"]), seconds)
     (config.out / "report.json").write_text(json.dumps(asdict(report), indent=1))
     return report
+
+
+def _data_cache(config: TrainConfig, target: LoadedModel) -> DistillCache:
+    """The given cache (checked: built by this target, with hidden states), or one built
+    from the prompt sources in out/data."""
+    if config.cache is not None:
+        cache = DistillCache.open(config.cache, model=target)
+        if not cache.has_hidden:
+            raise SpecMTPError(f"cache {config.cache} holds no hidden states; heads need them")
+        return cache
+    prompts = load_train_prompts(
+        config.sources, limit_per_source=config.limit_per_source, seed=config.seed
+    )
+    data_config = DistillConfig(**{**asdict(config.data), "max_new_tokens": config.max_new_tokens})
+    return build_cache(
+        target, prompts, config.out / "data", config=data_config,
+        sources=[str(s) for s in config.sources],
+    )  # fmt: skip
 
 
 def make_heads_config(config: TrainConfig, target: LoadedModel, cache: DistillCache) -> HeadsConfig:
@@ -172,7 +194,9 @@ def run_identity(
 ) -> dict[str, Any]:
     """What a checkpoint must match to be resumed: model, data, heads, optimisation."""
     settings = {
-        k: v for k, v in asdict(config).items() if k not in ("out", "sources", "data", "steps")
+        k: v
+        for k, v in asdict(config).items()
+        if k not in ("out", "sources", "data", "steps", "cache")
     }
     return {
         "model": model_fingerprint(target),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,26 @@ def test_cli_bad_training_input(capfd: pytest.CaptureFixture[str], tmp_path: Pat
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
     code = main(["train-mtp", "--data", str(tmp_path), "--out", str(tmp_path), "--steps", "0"])
     assert code == 2
+
+
+def test_an_existing_cache_is_used_as_is_and_checked(
+    tiny_target: Path, prompts: Path, tmp_path: Path
+) -> None:
+    first = tmp_path / "first"
+    train_mtp(config(tiny_target, prompts, first, steps=2))
+    manifest = (first / "data" / "manifest.json").read_text()
+    reused = replace(
+        config(tiny_target, tmp_path / "missing.txt", tmp_path / "second", steps=2),
+        cache=first / "data", kind="sequential", mixed_precision="bf16",
+    )  # fmt: skip
+    report = train_mtp(reused)  # the prompt source does not exist: nothing is rebuilt
+    assert report.steps == 2 and not (tmp_path / "second" / "data").exists()
+    assert (first / "data" / "manifest.json").read_text() == manifest
+    other = tmp_path / "other-target"
+    shutil.copytree(tiny_target, other)
+    model = load_model(str(other)).model
+    with torch.no_grad():
+        model.get_input_embeddings().weight[0] += 1.0
+    model.save_pretrained(other)
+    with pytest.raises(SpecMTPError, match="was built by model"):
+        train_mtp(replace(reused, target=str(other), out=tmp_path / "third"))
