@@ -57,7 +57,7 @@ from specmtp.errors import SpecMTPError
 from specmtp.models import DTYPES, LoadedModel, load_model
 from specmtp.mtp_loss import decaying_weights, mtp_losses
 from specmtp.text_data import TextChunks, iter_text_batches, load_texts, tokenize_chunks
-from specmtp.train import MetricsLog, set_lr
+from specmtp.train import MetricsLog, bf16_autocast, set_lr
 
 OBJECTIVES = ("distill", "text")
 _TINY = 1e-6  # floor for probabilities that enter a log
@@ -152,7 +152,7 @@ def train_draft(config: DistillTrainConfig) -> DistillReport:
     draft = _build_draft(config, target, data).float()  # float32 master weights
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
-    accelerator = Accelerator(mixed_precision=config.mixed_precision)
+    accelerator = Accelerator()
     draft, optimizer = accelerator.prepare(draft, optimizer)
     plain: DraftLM = accelerator.unwrap_model(draft)
     identity = _run_identity(config, target, plain, data)
@@ -165,7 +165,7 @@ def train_draft(config: DistillTrainConfig) -> DistillReport:
     plain.train()
     while step < config.steps:
         set_lr(optimizer, config, step)
-        with accelerator.autocast():
+        with bf16_autocast(accelerator, config.mixed_precision):
             losses = draft_losses(plain, next(batches), config.objective, weights)
         optimizer.zero_grad()
         accelerator.backward(losses["loss"])

@@ -106,7 +106,7 @@ def train_mtp(config: TrainConfig) -> TrainReport:
     heads = build_heads(heads_config, target.model).float()  # float32 master weights
     trainable = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
-    accelerator = Accelerator(mixed_precision=config.mixed_precision)
+    accelerator = Accelerator()
     heads, optimizer = accelerator.prepare(heads, optimizer)
     plain = accelerator.unwrap_model(heads)
     identity = run_identity(config, target, cache, heads_config)
@@ -119,7 +119,7 @@ def train_mtp(config: TrainConfig) -> TrainReport:
     while step < config.steps:
         batch = next(batches)
         set_lr(optimizer, config, step)
-        with accelerator.autocast():
+        with bf16_autocast(accelerator, config.mixed_precision):
             losses = mtp_losses(
                 plain, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights
             )
@@ -147,6 +147,14 @@ def train_mtp(config: TrainConfig) -> TrainReport:
     report = TrainReport(step, heldout, rank_probs, int(cache.manifest["num_tokens"]), seconds)
     (config.out / "report.json").write_text(json.dumps(asdict(report), indent=1))
     return report
+
+
+def bf16_autocast(accelerator: Accelerator, mixed_precision: str) -> torch.autocast:
+    """bfloat16 autocast on the accelerator's device when asked ("bf16"), else a no-op.
+    torch's own autocast, not Accelerator(mixed_precision=...): accelerate keeps that
+    setting in a process-wide state that a second run in one process cannot change."""
+    device = accelerator.device.type
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
 
 
 def _data_cache(config: TrainConfig, target: LoadedModel) -> DistillCache:

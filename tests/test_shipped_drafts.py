@@ -68,7 +68,7 @@ def test_the_mtp_draft_proposes_several_tokens_per_forward(
     monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
     ids = generator.encode(PROMPT, chat=True)
     result = generator.decoder.generate(ids, GenerationConfig(max_new_tokens=24, gamma=4))
-    rounds = result.stats.target_forwards - 1  # the first forward is the prefill
+    rounds = result.stats.rounds  # verify passes
     assert 0 < len(calls) <= rounds  # at most one draft forward per round (γ = 1 + 3 heads)
     assert result.stats.drafted_tokens > 2 * len(calls)
 
