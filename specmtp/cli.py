@@ -243,6 +243,20 @@ def _add_field_flags(
         )
 
 
+def _add_precision_flags(
+    parser: argparse.ArgumentParser, defaults: dict[str, Any], data_step: str
+) -> None:
+    """--dtype (the target's, while it makes the data) and --mixed-precision (training)."""
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), default=defaults["dtype"],
+        help=f"the target's dtype while it {data_step} (default float32)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--mixed-precision", choices=["no", "bf16"], default=defaults["mixed_precision"],
+        help="bf16: autocast matmuls (much faster on CPUs with AVX512-BF16 or AMX)",
+    )  # fmt: skip
+
+
 def _add_train_mtp_command(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser(
         "train-mtp", help="train MTP heads on a frozen target by self-distillation"
@@ -256,15 +270,8 @@ def _add_train_mtp_command(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--target", default="default", help="target model spec")
     train.add_argument("--threads", type=int, help="CPU threads for torch")
     train.add_argument("--kind", choices=["parallel", "sequential"], default=defaults["kind"])
-    train.add_argument(
-        "--dtype", choices=list(DTYPES), default=defaults["dtype"],
-        help="the target's dtype while it builds the data (default float32)",
-    )  # fmt: skip
+    _add_precision_flags(train, defaults, "builds the data")
     train.add_argument("--cache", type=Path, help="an existing data cache with hidden states")
-    train.add_argument(
-        "--mixed-precision", choices=["no", "bf16"], default=defaults["mixed_precision"],
-        help="bf16: autocast matmuls (much faster on CPUs with AVX512-BF16 or AMX)",
-    )  # fmt: skip
     _add_field_flags(train, defaults, [
         ("num_heads", int), ("num_layers", int), ("draft_vocab", int), ("decay", float),
         *_TRAINING_FLAGS,
@@ -283,19 +290,12 @@ def _add_distill_command(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     distill.add_argument("--out", type=Path, required=True, help="run directory (resumable)")
     distill.add_argument("--target", default="default", help="target model spec")
-    distill.add_argument(
-        "--dtype", choices=list(DTYPES), default=defaults["dtype"],
-        help="the target's dtype while it answers and scores the data (default float32)",
-    )  # fmt: skip
+    _add_precision_flags(distill, defaults, "answers and scores the data")
     distill.add_argument("--threads", type=int, help="CPU threads for torch")
     distill.add_argument("--objective", choices=OBJECTIVES, default=defaults["objective"])
     distill.add_argument("--init", choices=["target", "random"], default=defaults["init"])
     distill.add_argument("--init-from", type=Path, help="a draft directory to continue training")
     distill.add_argument("--cache", type=Path, help="data cache directory (default OUT/data)")
-    distill.add_argument(
-        "--mixed-precision", choices=["no", "bf16"], default=defaults["mixed_precision"],
-        help="bf16: autocast matmuls (much faster on CPUs with AVX512-BF16 or AMX)",
-    )  # fmt: skip
     _add_field_flags(distill, defaults, [
         ("num_layers", int), ("draft_vocab", int), ("mtp_heads", int), ("mtp_decay", float),
         ("topk", int), *_TRAINING_FLAGS,

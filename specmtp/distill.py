@@ -57,7 +57,13 @@ from specmtp.errors import SpecMTPError
 from specmtp.models import DTYPES, LoadedModel, load_model
 from specmtp.mtp_loss import decaying_weights, mtp_losses
 from specmtp.text_data import TextChunks, iter_text_batches, load_texts, tokenize_chunks
-from specmtp.train import MetricsLog, bf16_autocast, set_lr
+from specmtp.train import (
+    MetricsLog,
+    answer_token_counts,
+    bf16_autocast,
+    endless_batches,
+    set_lr,
+)
 
 OBJECTIVES = ("distill", "text")
 _TINY = 1e-6  # floor for probabilities that enter a log
@@ -159,7 +165,7 @@ def train_draft(config: DistillTrainConfig) -> DistillReport:
     checkpoints = config.out / "checkpoints"
     step = load_latest_checkpoint(checkpoints, module=plain, optimizer=optimizer, identity=identity)
     metrics = MetricsLog(config.out / "metrics.jsonl", resume_after=step)
-    batches = _endless(data, skip=step, seed=config.seed)
+    batches = endless_batches(lambda seed: data.batches("train", seed), seed=config.seed, skip=step)
     weights = decaying_weights(config.mtp_heads, config.mtp_decay) if config.mtp_heads else []
     bar = tqdm(total=config.steps, initial=step, desc="distill", disable=None)
     plain.train()
@@ -218,10 +224,7 @@ def _prepare_data(config: DistillTrainConfig, target: LoadedModel) -> _Data:
     cache = build_cache(
         target, prompts, config.data_dir, config=settings, sources=[str(s) for s in config.sources]
     )
-    counts: Counter[int] = Counter()
-    for index in range(cache.num_samples):
-        if not is_heldout(index, config.heldout_fraction):
-            counts.update(cache.answer_tokens(index).tolist())
+    counts = answer_token_counts(cache, config.heldout_fraction)
 
     def batches(split: str, seed: int | None) -> Iterator[DistillBatch]:
         return iter_batches(
@@ -279,17 +282,6 @@ def _continued_draft(config: DistillTrainConfig, target: LoadedModel) -> DraftLM
     body = {k: v for k, v in start.state_dict().items() if not k.startswith("heads.")}
     draft.load_state_dict(body, strict=False)
     return draft.requires_grad_(True)
-
-
-def _endless(data: _Data, *, skip: int, seed: int) -> Iterator[DistillBatch]:
-    """Epoch e shuffles with seed + e; the first `skip` batches are passed over (resume)."""
-    epoch, seen = 0, 0
-    while True:
-        for batch in data.batches("train", seed + epoch):
-            seen += 1
-            if seen > skip:
-                yield batch
-        epoch += 1
 
 
 def draft_losses(

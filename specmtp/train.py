@@ -13,7 +13,7 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,7 +113,13 @@ def train_mtp(config: TrainConfig) -> TrainReport:
     checkpoints = config.out / "checkpoints"
     step = load_latest_checkpoint(checkpoints, module=plain, optimizer=optimizer, identity=identity)
     metrics = MetricsLog(config.out / "metrics.jsonl", resume_after=step)
-    batches = endless_batches(cache, config, skip=step)
+    batches = endless_batches(
+        lambda seed: iter_batches(
+            cache, batch_size=config.batch_size, seq_len=config.seq_len, seed=seed,
+            heldout_fraction=config.heldout_fraction,
+        ),
+        seed=config.seed, skip=step,
+    )  # fmt: skip
     weights = decaying_weights(config.num_heads, config.decay)
     bar = tqdm(total=config.steps, initial=step, desc="train-mtp", disable=None)
     while step < config.steps:
@@ -190,11 +196,17 @@ def make_heads_config(config: TrainConfig, target: LoadedModel, cache: DistillCa
 
 def frequent_tokens(cache: DistillCache, config: TrainConfig) -> tuple[int, ...]:
     """The `draft_vocab` most frequent answer tokens of the training split, sorted by id."""
+    counts = answer_token_counts(cache, config.heldout_fraction)
+    return tuple(sorted(token for token, _ in counts.most_common(config.draft_vocab)))
+
+
+def answer_token_counts(cache: DistillCache, heldout_fraction: float) -> Counter[int]:
+    """How often each token occurs in the answers of the training split."""
     counts: Counter[int] = Counter()
     for index in range(cache.num_samples):
-        if not is_heldout(index, config.heldout_fraction):
+        if not is_heldout(index, heldout_fraction):
             counts.update(cache.answer_tokens(index).tolist())
-    return tuple(sorted(token for token, _ in counts.most_common(config.draft_vocab)))
+    return counts
 
 
 def run_identity(
@@ -215,15 +227,13 @@ def run_identity(
 
 
 def endless_batches(
-    cache: DistillCache, config: TrainConfig, *, skip: int
+    one_pass: Callable[[int], Iterable[DistillBatch]], *, seed: int, skip: int
 ) -> Iterator[DistillBatch]:
-    """Epoch e shuffles with seed + e; the first `skip` batches are passed over (resume)."""
+    """Passes `one_pass(seed + e)` for epochs e = 0, 1, ...; the first `skip` batches are
+    passed over (resume)."""
     epoch, seen = 0, 0
     while True:
-        for batch in iter_batches(
-            cache, batch_size=config.batch_size, seq_len=config.seq_len,
-            seed=config.seed + epoch, heldout_fraction=config.heldout_fraction,
-        ):  # fmt: skip
+        for batch in one_pass(seed + epoch):
             seen += 1
             if seen > skip:
                 yield batch
