@@ -14,6 +14,7 @@ from specmtp.decode import SpecDecoder
 from specmtp.draft_model import (
     DRAFT_CONFIG,
     SHIPPED_DRAFTS,
+    DraftLM,
     is_draft_dir,
     load_draft,
     shipped_drafts_dir,
@@ -74,22 +75,28 @@ def build_drafter(
 def build_small_drafter(spec: str, target: LoadedModel) -> DraftModelDrafter:
     """A draft made by `specmtp distill`: shipped by name, or from a directory. It drafts
     several tokens per forward when it has MTP heads, unless the spec ends in `-ar`."""
-    method, _, path = spec.partition(":")
-    if method in SHIPPED_DRAFTS:
-        directory = shipped_drafts_dir() / SHIPPED_DRAFTS[method]
-    elif not path:
-        raise SpecMTPError(f"bad draft spec {spec!r}: use draft:DIR or draft-ar:DIR")
-    else:
-        directory = Path(path)
-    if not is_draft_dir(directory):
-        raise SpecMTPError(f"no draft in {directory} (it has no {DRAFT_CONFIG})")
-    draft = load_draft(directory, target=target.model)
+    draft = load_small_draft(spec, target)
     if tuned_linear_enabled() and draft.device.type == "cpu":
         use_tuned_linear(draft)
-    multi_token = draft.heads is not None and not method.endswith("-ar")
+    multi_token = draft.heads is not None and not spec.partition(":")[0].endswith("-ar")
     return DraftModelDrafter(
         draft, vocab_size=usable_vocab_size(target, target), name=spec, multi_token=multi_token
     )
+
+
+def load_small_draft(spec: str, target: LoadedModel) -> DraftLM:
+    """The draft named by a shipped name (`distilled`, ...) or `draft:DIR` / `draft-ar:DIR`."""
+    method, _, path = spec.partition(":")
+    if method in SHIPPED_DRAFTS:
+        directory = shipped_drafts_dir() / SHIPPED_DRAFTS[method]
+    elif method in ("draft", "draft-ar") and path:
+        directory = Path(path)
+    else:
+        raise SpecMTPError(f"bad draft spec {spec!r}: use draft:DIR, draft-ar:DIR or a shipped "
+                           f"draft ({', '.join(SHIPPED_DRAFTS)})")  # fmt: skip
+    if not is_draft_dir(directory):
+        raise SpecMTPError(f"no draft in {directory} (it has no {DRAFT_CONFIG})")
+    return load_draft(directory, target=target.model)
 
 
 def build_mtp_drafter(spec: str, target: LoadedModel, *, tree: bool, path: str) -> MTPDrafter:

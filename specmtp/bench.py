@@ -9,7 +9,9 @@ A method is named by a spec:
 - `DRAFT[@GAMMA]`: our decoder with a draft (see api.build_drafter); GAMMA is N, `auto`
   (adaptive schedule, from the pair's tuning profile if any), `best` (the profile's fastest
   fixed γ) or `hf` (Hugging Face's +2/-1 schedule run by our engine); default: --gamma.
-- `hf-assisted:MODEL[@N]`: transformers' own assisted generation with MODEL as assistant.
+- `hf-assisted:MODEL[@N]`: transformers' own assisted generation with MODEL as assistant,
+  N drafts per round; `@default` runs HF's own defaults instead (draft length, schedule and
+  the confidence threshold that stops drafting early), as a user who sets nothing gets.
 - `hf-prompt-lookup[:N][@N]`: transformers' prompt lookup (longest n-gram N).
 Hugging Face's methods run with stock kernels (F.linear), as its users run them; ours use
 the measured kernel plan unless --plain-kernels.
@@ -31,7 +33,7 @@ from specmtp.bench_results import BASELINE, MethodResult, PromptRun, table
 from specmtp.config import GenerationConfig
 from specmtp.costmodel import CostModel, measure_verify_costs
 from specmtp.errors import SpecMTPError
-from specmtp.hf_baselines import HFGenerator, HFRun, HFSettings
+from specmtp.hf_baselines import HFGenerator, HFRun, HFSettings, hf_default_assisted
 from specmtp.kernels import (
     KernelPlan,
     measure_kernel_plan,
@@ -45,6 +47,7 @@ from specmtp.stats import GenerationStats, resident_bytes
 
 WARMUP_TOKENS = 8  # a warm-up only needs to touch every code path once
 HF_PREFIX = "hf-"
+HF_DEFAULTS = "default"  # hf-assisted:MODEL@default: transformers' own assisted settings
 
 Log = Callable[[str], None]
 
@@ -171,16 +174,24 @@ def build_runner(
 
 def _hf_runner(name: str, gamma: str, target: LoadedModel) -> HFRunner:
     method, _, argument = name.partition(":")
-    if not gamma.isdigit() or int(gamma) < 1:
-        raise SpecMTPError(f"{name}: Hugging Face's methods take a fixed γ >= 1, got {gamma!r}")
     eos = eos_token_ids(target)
+    if method == "hf-assisted" and gamma == HF_DEFAULTS:
+        settings = hf_default_assisted()
+        schedule = f"hf-default:{settings.num_tokens},{settings.confidence_threshold}"
+    elif gamma.isdigit() and int(gamma) >= 1:
+        settings = HFSettings("assisted", num_tokens=int(gamma))  # no early stop of drafting
+        schedule = f"fixed:{gamma}"
+    else:
+        raise SpecMTPError(
+            f"{name}: Hugging Face's methods take a fixed γ >= 1 (hf-assisted also "
+            f"@{HF_DEFAULTS}: HF's own settings), got {gamma!r}"
+        )
     if method == "hf-assisted":
         if not argument:
             raise SpecMTPError("hf-assisted needs its assistant: hf-assisted:MODEL")
         assistant = load_model(argument, dtype=target.model.dtype).model
-        settings = HFSettings("assisted", num_tokens=int(gamma))  # no early stop of drafting
         return HFRunner(HFGenerator(target.model, settings=settings, assistant=assistant,
-                                    eos_token_ids=eos), f"fixed:{gamma}")  # fmt: skip
+                                    eos_token_ids=eos), schedule)  # fmt: skip
     if method == "hf-prompt-lookup":
         if argument and not argument.isdigit():
             raise SpecMTPError(f"bad {name!r}: use hf-prompt-lookup or hf-prompt-lookup:N")

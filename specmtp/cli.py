@@ -21,13 +21,14 @@ from typing import Any
 import torch
 from transformers.utils import logging as hf_logging
 
-from specmtp.api import SpecGenerator, gamma_settings, make_config
+from specmtp.api import SpecGenerator, gamma_settings, load_small_draft, make_config
 from specmtp.bench import BenchConfig, log_to_stderr, run_bench
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.distill import OBJECTIVES, DistillTrainConfig, train_draft
+from specmtp.draft_export import export_hf_draft
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import set_tuned_linear
-from specmtp.models import DTYPES
+from specmtp.models import DTYPES, load_model
 from specmtp.profile import Profile, find_profile
 from specmtp.report import plot_tune, write_report
 from specmtp.train import TrainConfig, train_mtp
@@ -116,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tune_command(commands)
     _add_train_mtp_command(commands)
     _add_distill_command(commands)
+    _add_export_draft_command(commands)
     return parser
 
 
@@ -303,6 +305,23 @@ def _add_distill_command(commands: argparse._SubParsersAction) -> None:
     distill.set_defaults(run=cmd_distill)
 
 
+def _add_export_draft_command(commands: argparse._SubParsersAction) -> None:
+    export = commands.add_parser(
+        "export-draft",
+        help="write a draft made by `specmtp distill` as a plain Hugging Face model directory",
+    )
+    export.add_argument("--target", default="default", help="the draft's target model spec")
+    export.add_argument(
+        "--draft", required=True,
+        help="a shipped draft (general, distilled, distilled-mtp) or draft:DIR",
+    )  # fmt: skip
+    export.add_argument("--out", type=Path, required=True, help="a new, empty directory")
+    export.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                        help="the exported weights' dtype (default float32)")  # fmt: skip
+    export.add_argument("--threads", type=int, help="CPU threads for torch")
+    export.set_defaults(run=cmd_export_draft)
+
+
 def parse_size(text: str) -> int:
     """Bytes from '2G', '800M', '1.5GiB' or a plain number."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
@@ -442,6 +461,15 @@ def cmd_distill(args: argparse.Namespace) -> int:
     report = train_draft(config)
     print(f"draft written to {config.out / 'draft'}; held-out: {report.heldout}")
     print(json.dumps(dataclasses.asdict(report)))
+    return 0
+
+
+def cmd_export_draft(args: argparse.Namespace) -> int:
+    target = load_model(args.target)
+    draft = load_small_draft(args.draft, target)
+    out = export_hf_draft(draft, target, args.out, dtype=DTYPES[args.dtype])
+    print(f"exported {args.draft} for {args.target} to {out}: use --draft {out} or "
+          f"hf-assisted:{out}")  # fmt: skip
     return 0
 
 

@@ -152,7 +152,7 @@ def draft_config_for(
     body = {key: getattr(config, key) for key in _BODY_KEYS if getattr(config, key, None)}
     body["hidden_size"] = config.hidden_size
     return DraftConfig(
-        base_model=describe_target(target), vocab_size=_output_weight(target).shape[0],
+        base_model=describe_target(target), vocab_size=output_weight(target).shape[0],
         body=json.loads(json.dumps(body)), num_layers=num_layers, draft_vocab=draft_vocab,
         mtp_heads=mtp_heads, objective=objective, init=init,
     )  # fmt: skip
@@ -172,11 +172,11 @@ class DraftLM(nn.Module):
             "embedding", target.get_input_embeddings().weight.detach(), persistent=False
         )
         self.projection = VocabProjection(
-            _output_weight(target), draft_vocab=config.draft_vocab, trainable=False
+            output_weight(target), draft_vocab=config.draft_vocab, trainable=False
         )
         self.heads: ParallelHeads | None = None
         if config.mtp_heads:
-            self.heads = ParallelHeads(config.heads_config(), lm_head_weight=_output_weight(target))
+            self.heads = ParallelHeads(config.heads_config(), lm_head_weight=output_weight(target))
             self.heads.projection = self.projection  # one projection, shared
         self.to(dtype=target.dtype, device=target.device)
 
@@ -299,14 +299,14 @@ def _check_target(config: DraftConfig, target: PreTrainedModel, *, where: str) -
     hidden = target.config.get_text_config().hidden_size
     for what, theirs, ours in (
         ("base model", config.base_model, describe_target(target)),
-        ("vocab size", config.vocab_size, _output_weight(target).shape[0]),
+        ("vocab size", config.vocab_size, output_weight(target).shape[0]),
         ("hidden size", config.hidden_size, hidden),
     ):
         if theirs != ours:
             raise SpecMTPError(f"{where} was made for {what} {theirs!r}, the target has {ours!r}")
 
 
-def _output_weight(target: PreTrainedModel) -> torch.Tensor:
+def output_weight(target: PreTrainedModel) -> torch.Tensor:
     head = target.get_output_embeddings()
     if head is None or getattr(head, "bias", None) is not None:
         raise SpecMTPError(f"{type(target).__name__}: a draft needs a bias-free linear LM head")

@@ -95,6 +95,18 @@ class HFSettings:
             raise SpecMTPError("max_matching_ngram_size applies to prompt lookup only")
 
 
+def hf_default_assisted() -> HFSettings:
+    """Assisted generation as transformers runs it when nothing is set: its own defaults for
+    draft length, schedule and confidence threshold (20, constant, 0.4 in 5.24)."""
+    defaults = GenerationConfig._get_default_generation_params()
+    return HFSettings(
+        "assisted",
+        num_tokens=defaults["num_assistant_tokens"],
+        schedule=defaults["num_assistant_tokens_schedule"],
+        confidence_threshold=defaults["assistant_confidence_threshold"],
+    )
+
+
 @dataclass(frozen=True)
 class HFRun:
     """One generation: the new tokens only, and its timings in seconds."""
