@@ -133,6 +133,10 @@ class SpecDecoder:
         stats.prompt_tokens = context.shape[1]
         if context.shape[1] > 1:
             self.target.forward(context[:, :-1], last_only=True)
+            if self.drafter is not None and self.drafter.needs_target_hidden:
+                # The prompt's hidden states: MTP heads draft from the first round on.
+                hidden = self.target.last_hidden  # [B, n-1, H]
+                self.drafter.observe(Outcome(context, 0, hidden, verified=hidden.shape[1]))
 
     def _schedule(self, prompt_ids: Sequence[int], config: GenerationConfig) -> Schedule:
         if config.schedule == "heuristic":

@@ -17,6 +17,7 @@ from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors
 from specmtp.config import SamplingConfig
 from specmtp.draft_model import DraftLM
 from specmtp.heads import Heads, SequentialMTP
+from specmtp.mtp_cache import SequentialDraftCache
 from specmtp.sampling import choose, logits_to_probs
 from specmtp.tree import TokenTree, build_tree_tokens
 
@@ -41,7 +42,9 @@ class Proposal:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a round committed, for the drafter to catch up with."""
+    """What a round committed, for the drafter to catch up with. The prefill gives one
+    too, to drafters that need the target's hidden states: every prompt position but the
+    last (pending) one is verified then, none accepted."""
 
     context: torch.Tensor  # [B, n'] every committed token; the last one is not yet verified
     num_accepted: int
@@ -234,6 +237,8 @@ class MTPDrafter:
         self.name = name
         self.needs_target_hidden = True
         self.hidden: torch.Tensor | None = None  # [B, 1, H] at the last verified position
+        # Sequential depths attend over the history, as in training: they keep a cache.
+        self.history = SequentialDraftCache(heads) if isinstance(heads, SequentialMTP) else None
 
     @property
     def max_depth(self) -> int:
@@ -241,19 +246,29 @@ class MTPDrafter:
 
     def reset(self) -> None:
         self.hidden = None
+        if self.history is not None:
+            self.history.reset()
 
     def weight_tensors(self) -> list[torch.Tensor]:
         return module_tensors(self.heads)
 
     def kv_bytes(self) -> int:
-        return 0  # heads draft from the target's hidden state: no cache of their own
+        # Parallel heads draft from the target's last hidden state alone: no cache.
+        return 0 if self.history is None else self.history.nbytes()
 
     def kv_bytes_per_token(self) -> int:
-        return 0
+        if self.history is None:
+            return 0
+        # Per position: the target's hidden state, and each depth's key, value and state.
+        config = self.heads.config
+        element = self.heads.projection.weight.element_size()
+        return config.hidden_size * (1 + 3 * config.num_heads) * element
 
     def observe(self, outcome: Outcome) -> None:
         assert outcome.target_hidden is not None  # the loop keeps it: needs_target_hidden
         self.hidden = outcome.target_hidden[:, -1:]
+        if self.history is not None:
+            self.history.add_hidden(outcome.target_hidden)
 
     @torch.inference_mode()
     def propose(
@@ -266,7 +281,7 @@ class MTPDrafter:
         k = min(k, self.max_depth)
         if self.hidden is None or k == 0:  # the first round has no verified hidden state yet
             return empty_proposal(context.shape[0], context.device)
-        logits = self._depth_logits(context[:, -1:], k)  # [B, k, V] full vocabulary
+        logits = self._depth_logits(context, k)  # [B, k, V] full vocabulary
         if self.tree is not None:
             return self._tree_proposal(logits, k)
         if sampling.greedy or isinstance(self.heads, SequentialMTP):
@@ -274,10 +289,10 @@ class MTPDrafter:
         q = logits_to_probs(logits, sampling)  # [B, k, V]: each head's own distribution
         return Proposal(choose(q, sampling, generator), q)
 
-    def _depth_logits(self, pending: torch.Tensor, k: int) -> torch.Tensor:
+    def _depth_logits(self, context: torch.Tensor, k: int) -> torch.Tensor:
         """Logits over the full vocabulary for draft depths 1..k: [B, k, V]."""
-        if isinstance(self.heads, SequentialMTP):
-            _, logits = self.heads.draft(self.hidden, pending, k)  # [B, k, V']
+        if self.history is not None:
+            _, logits = self.history.draft(context, k)  # [B, k, V']
         else:
             logits = self.heads(self.hidden)[:, :k, -1]  # [B, K, 1, V'] -> [B, k, V']
         return self.heads.to_full_logits(logits)

@@ -42,6 +42,7 @@ from transformers import PreTrainedModel
 
 from specmtp.errors import SpecMTPError
 
+KV = tuple[torch.Tensor, torch.Tensor]  # an attention block's keys and values [B, heads, n, d]
 HEADS_WEIGHTS = "heads.safetensors"
 HEADS_CONFIG = "heads.json"
 _KINDS = ("parallel", "sequential")
@@ -262,14 +263,24 @@ class _Block(nn.Module):
         self.gate_up = nn.Linear(hidden_size, 4 * hidden_size, bias=False)
         self.down = nn.Linear(2 * hidden_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, h = x.shape  # [B, n, H]
+    def forward(self, x: torch.Tensor, past: KV | None = None) -> tuple[torch.Tensor, KV]:
+        """x [B, n, H] at the n positions after the L ones whose keys and values are in
+        `past` (each [B, heads, L, d]; None: L = 0). Returns the output [B, n, H] and the
+        n positions' own keys and values, for a caller that caches them."""
+        b, n, h = x.shape
         qkv = self.qkv(self.attn_norm(x)).view(b, n, 3, self.num_heads, h // self.num_heads)
         q, k, v = qkv.transpose(1, 3).unbind(2)  # each [B, heads, n, d]
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, heads, n, d]
+        if past is None:
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, heads, n, d]
+        else:
+            cached = past[0].shape[2]
+            # Causal over the cached positions and the new ones: query j sees keys <= L + j.
+            mask = torch.ones(n, cached + n, dtype=torch.bool, device=x.device).tril(cached)
+            keys, values = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         x = x + self.out(attended.transpose(1, 2).reshape(b, n, h))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)  # each [B, n, 2H]
-        return x + self.down(F.silu(gate) * up)
+        return x + self.down(F.silu(gate) * up), (k, v)
 
 
 class _Depth(nn.Module):
@@ -283,11 +294,14 @@ class _Depth(nn.Module):
         self.block = _Block(hidden_size, num_heads)
         self.final_norm = nn.RMSNorm(hidden_size, eps=_NORM_EPS)
 
-    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """hidden, embedded [B, n, H] -> (this depth's hidden state, normed output) [B, n, H]."""
+    def forward(
+        self, hidden: torch.Tensor, embedded: torch.Tensor, past: KV | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, KV]:
+        """hidden, embedded [B, n, H] -> this depth's hidden state and normed output, each
+        [B, n, H], and the block's keys and values of these positions (see _Block)."""
         joined = torch.cat([self.hidden_norm(hidden), self.embed_norm(embedded)], dim=-1)
-        out = self.block(self.combine(joined))
-        return out, self.final_norm(out)
+        out, kv = self.block(self.combine(joined), past)
+        return out, self.final_norm(out), kv
 
 
 class SequentialMTP(_HeadsBase):
@@ -313,12 +327,12 @@ class SequentialMTP(_HeadsBase):
             _Depth(config.hidden_size, config.attention_heads) for _ in range(config.num_heads)
         )
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed_weight)  # [B, n] -> [B, n, H]
 
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """Depth 0 only: hidden [B, n, H], next_tokens [B, n] (x_{t+1}) -> logits [B, n, V']."""
-        _, normed = self.depths[0](hidden, self._embed(next_tokens))
+        _, normed, _ = self.depths[0](hidden, self.embed(next_tokens))
         return self.projection(normed)
 
     def forward_all(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -330,33 +344,9 @@ class SequentialMTP(_HeadsBase):
         """
         n, logits, state = tokens.shape[1], [], hidden
         for i, depth in enumerate(self.depths[: max(0, n - 1)]):
-            state, normed = depth(state[:, : n - 1 - i], self._embed(tokens[:, 1 + i :]))
+            state, normed, _ = depth(state[:, : n - 1 - i], self.embed(tokens[:, 1 + i :]))
             logits.append(self.projection(normed))  # [B, n-1-i, V']
         return logits
-
-    @torch.no_grad()
-    def draft(
-        self, hidden_last: torch.Tensor, token: torch.Tensor, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy chain of k depths from one position.
-
-        hidden_last [B, 1, H] is the target's h_t; token [B, 1] is x_{t+1} (full ids).
-        Returns draft ids [B, k] (full ids, x_{t+2}..x_{t+1+k}) and logits [B, k, V'].
-
-        Simplification: each depth sees only the current position (a length-1 sequence),
-        so no per-depth KV cache is kept. The chain stays causal - depth i uses only h_t and
-        x_{t+1}..x_{t+1+i}, all known when it runs - and h_t already summarises the prefix.
-        Training attends over earlier positions too, so this costs acceptance, never
-        correctness: verification against the target keeps decoding lossless.
-        """
-        if not 1 <= k <= len(self.depths):
-            raise SpecMTPError(f"cannot draft {k} tokens with {len(self.depths)} MTP depths")
-        state, tokens, logits = hidden_last, token, []
-        for depth in self.depths[:k]:
-            state, normed = depth(state, self._embed(tokens[:, -1:]))
-            logits.append(self.projection(normed)[:, -1])  # [B, V']
-            tokens = torch.cat([tokens, self.to_full_ids(logits[-1].argmax(-1, keepdim=True))], 1)
-        return tokens[:, 1:], torch.stack(logits, dim=1)
 
 
 Heads = ParallelHeads | SequentialMTP

@@ -105,8 +105,11 @@ def test_drafters_get_the_target_hidden_states_of_kept_positions(tree: bool) -> 
     committed = torch.tensor([PROMPT + result.tokens])
     with torch.no_grad():
         reference = target(committed, output_hidden_states=True).hidden_states[-1]  # [1, n, H]
+    prefill, *rounds = spy.outcomes  # the prefill verifies every prompt token but the last
+    assert prefill.num_accepted == 0 and prefill.verified == len(PROMPT) - 1
+    torch.testing.assert_close(prefill.target_hidden, reference[:, : len(PROMPT) - 1])
     position = len(PROMPT) - 1  # the first round verifies from the last prompt token
-    for outcome in spy.outcomes:
+    for outcome in rounds:
         kept = outcome.num_accepted + 1
         assert outcome.target_hidden.shape[1] == kept
         want = reference[:, position : position + kept]

@@ -79,7 +79,7 @@ def test_fresh_shared_parallel_heads_reproduce_the_target_logits(target: PreTrai
         assert torch.equal(logits[:, i], expected)
 
 
-def test_sequential_shapes_and_draft_chain(target: PreTrainedModel) -> None:
+def test_sequential_shapes_and_cached_block(target: PreTrainedModel) -> None:
     torch.manual_seed(0)
     heads = build_heads(config_for(target, "sequential"), target)
     assert isinstance(heads, SequentialMTP)
@@ -91,18 +91,13 @@ def test_sequential_shapes_and_draft_chain(target: PreTrainedModel) -> None:
     assert [tuple(x.shape) for x in every] == [(2, 9 - i, TINY_VOCAB) for i in range(3)]
     assert torch.equal(every[0], depth0)
 
-    drafts, logits = heads.draft(hidden[:, -1:], ids[:, -1:], 3)
-    assert drafts.shape == (2, 3) and logits.shape == (2, 3, TINY_VOCAB)
-    assert torch.equal(drafts, logits.argmax(-1))
-    # The draft chain equals teacher forcing on a one-position sequence fed its own drafts.
-    chain = torch.cat([ids[:, -1:], drafts], dim=1)  # [B, 4]
+    # A cached block over the positions in two parts equals one causal pass over them all.
     with torch.no_grad():
-        state = hidden[:, -1:]
-        for i, depth in enumerate(heads.depths):
-            state, normed = depth(state, heads.embed_weight[chain[:, i : i + 1]])
-            assert torch.allclose(heads.projection(normed)[:, 0], logits[:, i], atol=1e-6)
-    with pytest.raises(SpecMTPError, match="4 tokens with 3"):
-        heads.draft(hidden[:, -1:], ids[:, -1:], 4)
+        first, second = (heads.embed(ids[:, :4]), heads.embed(ids[:, 4:]))
+        whole, _, _ = heads.depths[0](hidden, heads.embed(ids))
+        head, _, kv = heads.depths[0](hidden[:, :4], first)
+        tail, _, _ = heads.depths[0](hidden[:, 4:], second, kv)
+    torch.testing.assert_close(torch.cat([head, tail], 1), whole)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,0 +1,115 @@
+"""Sequential MTP drafting with per-depth caches equals the training-time computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, tiny_model
+from test_heads import config_for
+from transformers import PreTrainedModel
+
+from specmtp.errors import SpecMTPError
+from specmtp.heads import SequentialMTP, build_heads
+from specmtp.mtp_cache import SequentialDraftCache
+
+LENGTH = 40
+
+
+@pytest.fixture(scope="module")
+def target() -> PreTrainedModel:
+    return tiny_model("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def heads(target: PreTrainedModel) -> SequentialMTP:
+    """Random sequential depths, 3 deep, over a reduced draft vocabulary."""
+    torch.manual_seed(0)
+    vocab = tuple(range(1, TINY_VOCAB, 2))
+    built = build_heads(config_for(target, "sequential", draft_vocab=vocab), target)
+    with torch.no_grad():
+        for param in built.depths.parameters():
+            param.add_(torch.randn_like(param) * 0.2)
+    assert isinstance(built, SequentialMTP)
+    return built.eval()
+
+
+@pytest.fixture(scope="module")
+def sequence(target: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [1, LENGTH] and the target's hidden states over them [1, LENGTH, H]."""
+    ids = torch.randint(1, TINY_VOCAB, (1, LENGTH), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states[-1]
+    return ids, hidden
+
+
+def reference(
+    heads: SequentialMTP, hidden: torch.Tensor, context: torch.Tensor, drafts: torch.Tensor
+) -> torch.Tensor:
+    """Teacher forcing over context + drafts (slow, obviously the training computation):
+    each depth's logits at the last hidden position T-2, [B, k, V']."""
+    t = context.shape[1]
+    tokens = torch.cat([context, drafts], 1)
+    padded = torch.cat(
+        [hidden[:, : t - 1], hidden.new_zeros(1, drafts.shape[1] + 1, hidden.shape[2])], 1
+    )
+    with torch.no_grad():
+        every = heads.forward_all(padded, tokens)  # rows past T-2 read zeros: never used here
+    return torch.stack([every[i][:, t - 2] for i in range(drafts.shape[1])], dim=1)
+
+
+def test_rounds_of_drafts_equal_teacher_forcing_on_the_history(
+    heads: SequentialMTP, sequence: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    ids, hidden = sequence
+    cache = SequentialDraftCache(heads)
+    t = 6  # the prompt: its hidden states up to the pending last token come from the prefill
+    cache.add_hidden(hidden[:, : t - 1])
+    rng = torch.Generator().manual_seed(0)
+    rounds = 0
+    while t + 4 < LENGTH:
+        k = int(torch.randint(1, 4, (1,), generator=rng))
+        drafts, logits = cache.draft(ids[:, :t], k)  # [1, k], [1, k, V']
+        assert drafts.shape == (1, k) and logits.shape[:2] == (1, k)
+        assert torch.equal(drafts, heads.to_full_ids(logits.argmax(-1)))
+        torch.testing.assert_close(logits, reference(heads, hidden, ids[:, :t], drafts))
+        if rounds % 3 == 1:  # the same context again (a re-draft): the same answer
+            again, again_logits = cache.draft(ids[:, :t], k)
+            assert torch.equal(again, drafts)
+            torch.testing.assert_close(again_logits, logits)
+        # Commit 1 to 4 tokens of the true sequence (what the target verified).
+        step = int(torch.randint(1, 5, (1,), generator=rng))
+        cache.add_hidden(hidden[:, t - 1 : t - 1 + step])
+        t += step
+        rounds += 1
+        # The caches hold committed positions only, each depth one further behind.
+        assert [cache.cached(i) for i in range(3)][:k] == [t - step - 2 - i for i in range(k)]
+    assert rounds >= 8
+
+
+def test_cache_bytes_grow_with_the_history_and_reset_empties_it(
+    heads: SequentialMTP, sequence: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    ids, hidden = sequence
+    cache = SequentialDraftCache(heads)
+    cache.add_hidden(hidden[:, :9])
+    cache.draft(ids[:, :10], 3)
+    small = cache.nbytes()
+    cache.add_hidden(hidden[:, 9:19])
+    cache.draft(ids[:, :20], 3)
+    assert cache.nbytes() > small > 0
+    cache.reset()
+    assert cache.nbytes() == 0 and cache.cached(0) == 0
+
+
+def test_bad_draft_requests_are_refused(
+    heads: SequentialMTP, sequence: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    ids, hidden = sequence
+    cache = SequentialDraftCache(heads)
+    with pytest.raises(SpecMTPError, match="holds 0 hidden states"):
+        cache.draft(ids[:, :5], 1)
+    cache.add_hidden(hidden[:, :4])
+    with pytest.raises(SpecMTPError, match="needs 6"):
+        cache.draft(ids[:, :7], 1)
+    with pytest.raises(SpecMTPError, match="4 tokens with 3"):
+        cache.draft(ids[:, :5], 4)
