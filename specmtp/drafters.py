@@ -226,7 +226,8 @@ class MTPDrafter:
     tokens after the pending one (head i: x_{t+2+i} from h_t), as a chain or a token tree.
 
     Parallel heads give every depth's candidates from h_t at once; sequential MTP depths
-    chain greedily, and a tree then takes each depth's top candidates along that chain.
+    run over the history with their own caches (mtp_cache.py), greedily for a chain and on
+    each node's own path for a tree.
     Tree candidates and sequential drafts are fixed choices (verified with one-hot q);
     a sampled chain from parallel heads carries its q for rejection sampling.
     """
@@ -281,9 +282,9 @@ class MTPDrafter:
         k = min(k, self.max_depth)
         if self.hidden is None or k == 0:  # the first round has no verified hidden state yet
             return empty_proposal(context.shape[0], context.device)
-        logits = self._depth_logits(context, k)  # [B, k, V] full vocabulary
         if self.tree is not None:
-            return self._tree_proposal(logits, k)
+            return self._tree_proposal(context, k)
+        logits = self._depth_logits(context, k)  # [B, k, V] full vocabulary
         if sampling.greedy or isinstance(self.heads, SequentialMTP):
             return Proposal(logits.argmax(-1), None)
         q = logits_to_probs(logits, sampling)  # [B, k, V]: each head's own distribution
@@ -297,8 +298,14 @@ class MTPDrafter:
             logits = self.heads(self.hidden)[:, :k, -1]  # [B, K, 1, V'] -> [B, k, V']
         return self.heads.to_full_logits(logits)
 
-    def _tree_proposal(self, logits: torch.Tensor, k: int) -> Proposal:
+    def _tree_proposal(self, context: torch.Tensor, k: int) -> Proposal:
+        """Parallel heads: every depth's candidates from h_t, whatever the parent. Sequential
+        depths: each node's children come from the depth run on that node's own path."""
         tree = self.tree.pruned(k)
+        if self.history is not None:
+            return Proposal(build_tree_tokens(tree, self.history.draft_tree(context, tree)),
+                            None, tree=tree)  # fmt: skip
+        logits = self._depth_logits(context, k)  # [B, k, V]
         width = max(path[-1] for path in tree.paths) + 1
         candidates = list(logits.topk(width, dim=-1).indices.unbind(1))  # k x [B, width]
         return Proposal(build_tree_tokens(tree, candidates), None, tree=tree)

@@ -25,6 +25,7 @@ import torch
 
 from specmtp.errors import SpecMTPError
 from specmtp.heads import KV, SequentialMTP
+from specmtp.tree import Path, TokenTree
 
 
 class SequentialDraftCache:
@@ -61,35 +62,87 @@ class SequentialDraftCache:
         Returns the drafts [B, k] (full ids x_T .. x_{T+k-1}) and each depth's logits
         [B, k, V'] at position T-2.
         """
-        heads = self.heads
-        if not 1 <= k <= len(heads.depths):
-            raise SpecMTPError(f"cannot draft {k} tokens with {len(heads.depths)} MTP depths")
+        if not 1 <= k <= len(self.heads.depths):
+            raise SpecMTPError(f"cannot draft {k} tokens with {len(self.heads.depths)} MTP depths")
+        self._check(context)
+        drafts, below, logits = context[:, :0], self.hidden, []
+        for i in range(k):
+            below, depth_logits, new = self._run(i, below, context, drafts)
+            self._commit(i, context, *new)
+            logits.append(depth_logits)
+            drafts = torch.cat([drafts, self._top(depth_logits, 1)], 1)
+        return drafts, torch.stack(logits, dim=1)
+
+    @torch.no_grad()
+    def draft_tree(self, context: torch.Tensor, tree: TokenTree) -> dict[Path, torch.Tensor]:
+        """Each tree node's token [B] after context [B, T], by its path of ranks.
+
+        A node's children are the top candidates of the next depth run on that node's own
+        path (EAGLE-style), not on the greedy chain: depth i runs once per node of level i
+        that has children, and its cache takes the committed positions once per level.
+        """
+        if tree.max_depth > len(self.heads.depths):
+            raise SpecMTPError(
+                f"the tree is {tree.max_depth} deep; the heads have {len(self.heads.depths)} depths"
+            )
+        self._check(context)
+        tokens: dict[Path, torch.Tensor] = {}
+        drafted: dict[Path, torch.Tensor] = {(): context[:, :0]}  # [B, len(path)]
+        below: dict[Path, torch.Tensor] = {(): self.hidden}  # states the next depth reads
+        for i in range(tree.max_depth):
+            children = [path for path in tree.paths if len(path) == i + 1]
+            for parent in dict.fromkeys(path[:-1] for path in children):
+                ranks = [path[-1] for path in children if path[:-1] == parent]
+                states, logits, new = self._run(i, below[parent], context, drafted[parent])
+                top = self._top(logits, max(ranks) + 1)  # [B, width]
+                for rank in ranks:
+                    path = (*parent, rank)
+                    tokens[path] = top[:, rank]
+                    drafted[path] = torch.cat([drafted[parent], top[:, rank : rank + 1]], 1)
+                    below[path] = states
+            self._commit(i, context, *new)  # the committed part is the same under every parent
+        return tokens
+
+    def _check(self, context: torch.Tensor) -> None:
         last = context.shape[1] - 2  # the last position with a target hidden state
         if self.hidden is None or self.hidden.shape[1] != last + 1:
             known = 0 if self.hidden is None else self.hidden.shape[1]
             raise SpecMTPError(
                 f"the MTP cache holds {known} hidden states; the context needs {last + 1}"
             )
-        tokens, logits = context, []
-        below = self.hidden  # [B, last+1, H]: the states depth i reads, at every position
-        for i, depth in enumerate(heads.depths[:k]):
-            start = self.cached(i)
-            state, normed, (keys, values) = depth(
-                below[:, start:], heads.embed(tokens[:, start + 1 + i : last + 2 + i]), self.kv[i]
-            )  # state, normed [B, last+1-start, H]; keys, values [B, heads, same, d]
-            logits.append(heads.projection(normed[:, -1]))  # [B, V']
-            draft = heads.to_full_ids(logits[-1].argmax(-1, keepdim=True))  # [B, 1]
-            tokens = torch.cat([tokens, draft], 1)
-            below = state if self.states[i] is None else torch.cat([self.states[i], state], 1)
-            # s <= last - i has committed inputs; s = last - i stays out too, so that a
-            # repeated draft from the same context still has a position to run.
-            self._commit(i, state, keys, values, count=max(0, last - i - start))
-        return tokens[:, context.shape[1] :], torch.stack(logits, dim=1)
+
+    def _run(
+        self, i: int, below: torch.Tensor, context: torch.Tensor, drafted: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Depth i at the positions after its cache up to T-2, after the drafted tokens
+        [B, i] of one path; below [B, T-1, H] is what it reads at every position.
+
+        Returns this depth's states at every position [B, T-1, H] (for depth i+1), its
+        logits at T-2 [B, V'], and the new positions' states, keys and values."""
+        heads, start, last = self.heads, self.cached(i), context.shape[1] - 2
+        tokens = torch.cat([context, drafted], 1)  # x_0 .. x_{T-1+i}
+        state, normed, (keys, values) = heads.depths[i](
+            below[:, start:], heads.embed(tokens[:, start + 1 + i : last + 2 + i]), self.kv[i]
+        )  # state, normed [B, last+1-start, H]; keys, values [B, heads, same, d]
+        cached = self.states[i]
+        states = state if cached is None else torch.cat([cached, state], 1)
+        return states, heads.projection(normed[:, -1]), (state, keys, values)
+
+    def _top(self, logits: torch.Tensor, width: int) -> torch.Tensor:
+        """The top `width` candidates of draft-vocabulary logits [B, V'], as full ids."""
+        return self.heads.to_full_ids(logits.topk(width, dim=-1).indices)  # [B, width]
 
     def _commit(
-        self, depth: int, state: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, count: int
+        self,
+        depth: int,
+        context: torch.Tensor,
+        state: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
     ) -> None:
-        """Cache the first `count` new positions of this depth: those with committed inputs."""
+        """Cache this depth's new positions with committed inputs (s <= T-2-depth), all but
+        the last of them, so that a repeated draft from the same context has one to run."""
+        count = max(0, context.shape[1] - 2 - depth - self.cached(depth))
         if count == 0:
             return
         new = (state[:, :count], keys[:, :, :count], values[:, :, :count])

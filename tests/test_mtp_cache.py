@@ -11,8 +11,10 @@ from transformers import PreTrainedModel
 from specmtp.errors import SpecMTPError
 from specmtp.heads import SequentialMTP, build_heads
 from specmtp.mtp_cache import SequentialDraftCache
+from specmtp.tree import TokenTree
 
 LENGTH = 40
+TREE = TokenTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (1, 0, 0)])
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +88,31 @@ def test_rounds_of_drafts_equal_teacher_forcing_on_the_history(
     assert rounds >= 8
 
 
+def test_tree_children_come_from_the_depth_run_on_their_own_path(
+    heads: SequentialMTP, sequence: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    ids, hidden = sequence
+    trees, chains = SequentialDraftCache(heads), SequentialDraftCache(heads)
+    t = 7
+    for cache in (trees, chains):
+        cache.add_hidden(hidden[:, : t - 1])
+    for step in (1, 3, 2, 4, 1):
+        tokens = trees.draft_tree(ids[:, :t], TREE)  # path -> [1]
+        chain, _ = chains.draft(ids[:, :t], 3)
+        assert set(tokens) == set(TREE.paths)
+        for path in TREE.paths:
+            line = torch.stack([tokens[path[:d]] for d in range(1, len(path) + 1)], 1)  # [1, L]
+            logits = reference(heads, hidden, ids[:, :t], line)[:, -1]  # depth L-1 at T-2
+            ranked = heads.to_full_ids(logits.topk(path[-1] + 1).indices)
+            assert torch.equal(tokens[path], ranked[:, path[-1]]), path
+        # The all-first path is the greedy chain, and both leave the same caches behind.
+        assert torch.equal(torch.stack([tokens[(0,) * d] for d in (1, 2, 3)], 1), chain)
+        assert [trees.cached(i) for i in range(3)] == [chains.cached(i) for i in range(3)]
+        for cache in (trees, chains):
+            cache.add_hidden(hidden[:, t - 1 : t - 1 + step])
+        t += step
+
+
 def test_cache_bytes_grow_with_the_history_and_reset_empties_it(
     heads: SequentialMTP, sequence: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
@@ -113,3 +140,5 @@ def test_bad_draft_requests_are_refused(
         cache.draft(ids[:, :7], 1)
     with pytest.raises(SpecMTPError, match="4 tokens with 3"):
         cache.draft(ids[:, :5], 4)
+    with pytest.raises(SpecMTPError, match="4 deep"):
+        cache.draft_tree(ids[:, :5], TokenTree([(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]))

@@ -61,9 +61,12 @@ def test_mtp_drafting_is_greedy_exact(
     assert result.stats.drafted_tokens > 0
 
 
-def test_trained_parallel_heads_are_accepted_more_than_fresh_ones(target: PreTrainedModel) -> None:
+@pytest.mark.parametrize("kind", ["parallel", "sequential"])
+def test_trained_heads_are_accepted_more_than_fresh_ones(
+    target: PreTrainedModel, kind: str
+) -> None:
     def tau(steps: int) -> float:
-        drafter = MTPDrafter(trained_heads(target, "parallel", steps=steps))
+        drafter = MTPDrafter(trained_heads(target, kind, steps=steps))
         decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
         return decoder.generate(
             PROMPT, GenerationConfig(max_new_tokens=40, gamma=3)
