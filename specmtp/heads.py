@@ -370,11 +370,16 @@ def build_heads(config: HeadsConfig, target_model: PreTrainedModel) -> Heads:
     return heads.to(device=lm_head.device, dtype=lm_head.dtype)
 
 
-def save_heads(module: Heads, config: HeadsConfig, directory: str | Path) -> None:
-    """Write heads.safetensors (trainable parameters only) and heads.json, each atomically."""
+def save_heads(
+    module: Heads, config: HeadsConfig, directory: str | Path, *, dtype: torch.dtype | None = None
+) -> None:
+    """Write heads.safetensors (trainable parameters only, in `dtype` if given) and
+    heads.json, each atomically."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: p.detach().contiguous() for name, p in module.named_parameters()}
+    tensors = {
+        name: p.detach().to(dtype or p.dtype).contiguous() for name, p in module.named_parameters()
+    }
     _write_atomically(directory / HEADS_WEIGHTS, lambda path: save_file(tensors, str(path)))
     _write_atomically(directory / HEADS_CONFIG, lambda path: path.write_text(config.to_json()))
 
