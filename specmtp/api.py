@@ -24,7 +24,7 @@ from specmtp.errors import SpecMTPError
 from specmtp.heads import load_heads, shipped_heads_dir
 from specmtp.kernels import apply_kernel_plan, tuned_linear_enabled, use_tuned_linear
 from specmtp.models import LoadedModel, check_tokenizers_agree, load_model, usable_vocab_size
-from specmtp.profile import Profile
+from specmtp.profile import Profile, check_profile_weights, weights_fingerprint
 from specmtp.stats import GenerationStats
 from specmtp.tree import TREE_FILE, TokenTree
 
@@ -118,6 +118,15 @@ def build_mtp_drafter(spec: str, target: LoadedModel, *, tree: bool, path: str) 
     return MTPDrafter(heads, tree=token_tree, name=spec)
 
 
+def weights_fingerprints(target: LoadedModel, drafter: Drafter | None) -> dict[str, str]:
+    """What a tuning profile records of the weights it was measured with."""
+    draft = [] if drafter is None else list(drafter.weight_tensors())
+    return {
+        "target": weights_fingerprint(target.model.parameters()),
+        "draft": weights_fingerprint(draft),
+    }
+
+
 def eos_token_ids(loaded: LoadedModel) -> list[int]:
     """The ids that end generation: the generation config's and the tokenizer's."""
     ids = loaded.model.generation_config.eos_token_id
@@ -146,6 +155,7 @@ class SpecGenerator:
         drafter, vocab = build_drafter(draft, self.target, dtype=self.target.model.dtype)
         self.profile = profile
         if profile is not None:  # the kernel plan measured with the profile, if any
+            check_profile_weights(profile, weights_fingerprints(self.target, drafter))
             apply_kernel_plan(self.target.model, profile.meta.get("kernel_plan"))
         tokenizer = self.target.tokenizer
         self.decoder = SpecDecoder(

@@ -7,17 +7,22 @@ $SPECMTP_CACHE/profiles (or ~/.cache/specmtp/profiles), one JSON file per pair.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specmtp.costmodel import CostModel
 from specmtp.errors import SpecMTPError
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: profiles carry the weights' fingerprints (meta["weights"])
+_SAMPLED_VALUES = 64  # values per tensor that go into a weights fingerprint
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,10 @@ class Profile:
     def from_dict(cls, data: dict[str, Any], where: str = "profile") -> Profile:
         try:
             if data.get("version") != PROFILE_VERSION:
-                raise ValueError(f"version {data.get('version')!r}, expected {PROFILE_VERSION}")
+                raise SpecMTPError(
+                    f"{where} has profile version {data.get('version')!r}, this specmtp reads "
+                    f"version {PROFILE_VERSION}: run `specmtp tune` again"
+                )
             return cls(
                 str(data["target"]),
                 str(data["draft"]),
@@ -122,3 +130,27 @@ def find_profile(
         return profile
     default = default_profile_path(target, draft, dtype)
     return Profile.load(default) if default.exists() else None
+
+
+def weights_fingerprint(tensors: Iterable[torch.Tensor]) -> str:
+    """Shapes and evenly spaced values of every tensor: cheap, and tells two trainings of
+    one architecture apart (a profile tuned for old heads must not steer new ones)."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        flat = tensor.detach().flatten()
+        step = max(1, flat.numel() // _SAMPLED_VALUES)
+        values = flat[::step][:_SAMPLED_VALUES].to("cpu", torch.float32)
+        digest.update(str(tuple(tensor.shape)).encode() + values.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def check_profile_weights(profile: Profile, current: dict[str, str]) -> None:
+    """Refuse a profile tuned for other weights of the same target or draft names."""
+    tuned = profile.meta.get("weights", {})
+    for role in ("target", "draft"):
+        if role in tuned and tuned[role] != current[role]:
+            raise SpecMTPError(
+                f"the tuning profile for {profile.target!r} with {profile.draft!r} was made "
+                f"for other {role} weights (fingerprint {tuned[role]}, now {current[role]}): "
+                "run `specmtp tune` again"
+            )

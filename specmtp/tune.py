@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specmtp.api import SpecGenerator, make_config
+from specmtp.api import SpecGenerator, make_config, weights_fingerprints
 from specmtp.config import GenerationConfig
 from specmtp.costmodel import (
     CostModel,
@@ -192,6 +192,7 @@ def run_tune(config: TuneConfig, *, log: Log) -> Profile:
     )
     profile = build_profile(config, runs, verify_s)
     profile.meta["kernel_plan"] = None if plan is None else plan.by_rows
+    profile.meta["weights"] = weights_fingerprints(target, spec.decoder.drafter)
     profile.save(config.profile_path)
     return profile
 

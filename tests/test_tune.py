@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import run_captured, run_cli
 
 from specmtp.api import AUTO_MAX_GAMMA
 from specmtp.costmodel import expected_tokens
 from specmtp.errors import SpecMTPError
-from specmtp.profile import Profile, default_profile_path, find_profile
+from specmtp.profile import Profile, default_profile_path, find_profile, weights_fingerprint
 from specmtp.tune import TuneConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -186,6 +187,30 @@ def test_profile_for_another_pair_is_refused(
     assert_one_line_error(code, out, err, "tuned for target 'default' with draft 'ngram', not")
 
 
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_profile_for_other_weights_is_refused(
+    capfd: pytest.CaptureFixture[str], tuned: tuple[str, str, Path, Path], tmp_path: Path,
+    role: str,
+) -> None:  # fmt: skip
+    data = json.loads(tuned[2].read_text())
+    assert set(data["meta"]["weights"]) == {"target", "draft"}
+    data["meta"]["weights"][role] = "0123456789abcdef"  # as if tuned before a retraining
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    argv = [*GENERATE, "--draft", "ngram", "--gamma", "auto", "--profile", str(path)]
+    code, out, err = run_cli(capfd, *argv)
+    assert_one_line_error(code, out, err, f"other {role} weights (fingerprint 0123456789abcdef")
+
+
+def test_weights_fingerprint_tells_trainings_apart() -> None:
+    weights = [torch.randn(300, 7, generator=torch.Generator().manual_seed(0)), torch.ones(5)]
+    same = [w.clone() for w in weights]
+    assert weights_fingerprint(weights) == weights_fingerprint(same)
+    same[0].view(-1)[64] += 1.0  # a sampled value changes (every 32nd of the 2,100)
+    assert weights_fingerprint(weights) != weights_fingerprint(same)
+    assert weights_fingerprint(weights) != weights_fingerprint([weights[0].reshape(7, 300)])
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [(None, "cannot read profile"), ("{", "is not json"), ("[]", "not a specmtp tuning profile")],
@@ -245,7 +270,7 @@ def _corrupt(data: dict[str, Any], path: list[str], value: Any) -> dict[str, Any
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [
-        (["version"], 2, "version 2"),
+        (["version"], 1, "version 1"),
         (["version"], KeyError, "version None"),
         (["target"], KeyError, "target"),
         (["alphas"], 3, "not a specmtp tuning profile"),
