@@ -8,6 +8,9 @@ from conftest import TINY_VOCAB, tiny_model
 from test_heads import config_for
 from transformers import PreTrainedModel
 
+from specmtp.config import GenerationConfig
+from specmtp.decode import SpecDecoder
+from specmtp.drafters import MTPDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.heads import SequentialMTP, build_heads
 from specmtp.mtp_cache import SequentialDraftCache
@@ -142,3 +145,18 @@ def test_bad_draft_requests_are_refused(
         cache.draft(ids[:, :5], 4)
     with pytest.raises(SpecMTPError, match="4 deep"):
         cache.draft_tree(ids[:, :5], TokenTree([(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]))
+
+
+def test_the_drafter_reports_its_cache(
+    heads: SequentialMTP, target: PreTrainedModel, sequence: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    drafter = MTPDrafter(heads)
+    hidden = target.config.hidden_size
+    assert drafter.kv_bytes_per_token() == hidden * (1 + 3 * 3) * 4  # float32: h, then k, v, state
+    decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
+    prompt = sequence[0][0, :8].tolist()
+    result = decoder.generate(prompt, GenerationConfig(max_new_tokens=20, gamma=3))
+    positions = len(prompt) + len(result.tokens) - 2  # hidden states the drafter has seen
+    assert 0 < drafter.kv_bytes() <= positions * drafter.kv_bytes_per_token()
+    drafter.reset()
+    assert drafter.kv_bytes() == 0
