@@ -29,8 +29,9 @@ from specmtp.draft_export import export_hf_draft
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import set_tuned_linear
 from specmtp.models import DTYPES, load_model
+from specmtp.plots import plot_tune
 from specmtp.profile import Profile, find_profile
-from specmtp.report import plot_tune, write_report
+from specmtp.report import write_report
 from specmtp.train import TrainConfig, train_mtp
 from specmtp.tune import TuneConfig, run_tune, sweep_table
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from specmtp.report import markdown_table, plot_tune, render_markdown, write_report
+from specmtp.plots import plot_tune
+from specmtp.report import markdown_table, render_markdown, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIB = 1 << 20

@@ -1,0 +1,237 @@
+"""The bench report's PNG plots and the tune plot, from the same plain dicts as report.py.
+
+matplotlib is imported inside the functions so that `import specmtp` never pays for it, and
+every figure is a `Figure` on its own Agg canvas: no pyplot state, no display needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from specmtp.report_values import (
+    ALPHA,
+    GAMMA,
+    MIB,
+    TIME_PARTS,
+    as_dict,
+    as_list,
+    group_field,
+    groups_of,
+    methods_of,
+    num,
+    scaled,
+)  # fmt: skip
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+DPI = 120
+PREDICTED = {"linestyle": "--", "marker": "o"}
+MEASURED = {"linestyle": "-", "marker": "s"}
+
+
+# ---- plots: each returns the path it wrote, or None when it had no data to draw
+
+
+def _figure(width: float, height: float, ncols: int = 1) -> tuple[Figure, list[Axes]]:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    return fig, list(fig.subplots(1, ncols, squeeze=False)[0])
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)  # attach Agg explicitly: no GUI backend, whatever MPLBACKEND says
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+def _line(ax: Axes, xs: Sequence[Any], ys: Sequence[Any], **style: Any) -> bool:
+    """Plot the points where both coordinates are numbers; False when there were none."""
+    points = [
+        (x, y)
+        for x, y in zip(map(num, xs), map(num, ys), strict=True)
+        if x is not None and y is not None
+    ]
+    if points:
+        ax.plot(*zip(*points, strict=True), **style)
+    return bool(points)
+
+
+def _no_data(ax: Axes) -> None:
+    ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="0.5")
+
+
+def _unit_line(ax: Axes, label: str | None = None) -> None:
+    ax.axhline(1.0, color="0.4", linewidth=1, linestyle=":", label=label)
+
+
+def _integer_ticks(ax: Axes) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _speedup_vs_gamma_axes(ax: Axes) -> None:
+    _unit_line(ax)
+    _integer_ticks(ax)
+    ax.set(xlabel=f"{GAMMA} (draft tokens per round)", ylabel="speedup")
+    ax.set_title(f"Speedup vs {GAMMA}")
+
+
+def _colors(methods: Sequence[str]) -> dict[str, str]:
+    """One colour per method, by first appearance, so a method keeps its colour across the
+    plots of a report."""
+    return {name: f"C{i % 10}" for i, name in enumerate(dict.fromkeys(methods))}
+
+
+def _plot_groups(methods: dict[str, dict[str, Any]], path: Path) -> Path | None:
+    baseline, *drafts = methods
+    groups, colors = groups_of(methods), _colors(methods)
+    series = {n: [num(group_field(methods[n], g, "speedup")) for g in groups] for n in drafts}
+    series = {n: s for n, s in series.items() if any(v is not None for v in s)}
+    if not series:
+        return None
+    fig, (ax,) = _figure(max(6.0, 1.1 * len(groups) * max(1, len(series) / 2)), 4.0)
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        offset = (i - (len(series) - 1) / 2) * width
+        bars = [(g + offset, v) for g, v in enumerate(values) if v is not None]
+        ax.bar(*zip(*bars, strict=True), width, label=name, color=colors[name])
+    _unit_line(ax, f"{baseline} (1.0x)")
+    slanted = {"rotation": 30, "ha": "right"} if len(groups) > 4 else {}
+    ax.set_xticks(range(len(groups)), groups, **slanted)
+    ax.set(ylabel=f"speedup over {baseline}", title="Speedup by prompt group")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    return _save(fig, path)
+
+
+def _plot_acceptance(methods: dict[str, dict[str, Any]], path: Path) -> Path | None:
+    fig, (ax,) = _figure(6.5, 4.0)
+    drawn, colors = False, _colors(methods)
+    for name, m in methods.items():
+        rates = as_list(m.get("acceptance_per_position"))
+        positions = range(1, len(rates) + 1)
+        drawn |= _line(ax, positions, rates, marker="o", label=name, color=colors[name])
+    if not drawn:
+        return None
+    ax.set(xlabel="draft position", ylabel="P(accepted | drafted)", ylim=(0, 1.05))
+    ax.set_title("Acceptance per draft position")
+    _integer_ticks(ax)
+    ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def _plot_gamma(result: dict[str, Any], path: Path) -> Path | None:
+    sweep = as_dict(result.get("gamma_sweep"))
+    colors = _colors([*methods_of(result), *sweep])
+    fig, (ax,) = _figure(6.5, 4.0)
+    drawn = False
+    for name, points in sweep.items():
+        points = [as_dict(p) for p in as_list(points)]
+        gammas = [p.get("gamma") for p in points]
+        for key, style in (("predicted", PREDICTED), ("measured", MEASURED)):
+            values = [p.get(f"{key}_speedup") for p in points]
+            drawn |= _line(ax, gammas, values, color=colors[name], label=f"{name} {key}", **style)
+    if not drawn:
+        return None
+    _speedup_vs_gamma_axes(ax)
+    ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def _plot_context(result: dict[str, Any], path: Path) -> Path | None:
+    points = [as_dict(p) for p in as_list(result.get("context_sweep"))]
+    names = list(dict.fromkeys(n for p in points for n in as_dict(p.get("methods"))))
+    colors = _colors([*methods_of(result), *names])
+    fig, (left, right) = _figure(11.0, 4.0, 2)
+    xs = [p.get("context_tokens") for p in points]
+    drawn = {left: False, right: False}
+    for name in names:
+        per_point = [as_dict(as_dict(p.get("methods")).get(name)) for p in points]
+        for ax, key, scale in ((left, "speedup", 1.0), (right, "kv_cache_bytes", 1 / MIB)):
+            ys = [scaled(m.get(key), scale) for m in per_point]
+            drawn[ax] |= _line(ax, xs, ys, marker="o", label=name, color=colors[name])
+    if not any(drawn.values()):
+        return None
+    _unit_line(left)
+    left.set(ylabel="speedup", title="Speedup vs context length")
+    right.set(ylabel="KV cache, MiB", title="KV-cache size")
+    contexts = sorted({x for x in map(num, xs) if x is not None and x > 0})
+    for ax, has_data in drawn.items():
+        ax.legend(fontsize="small") if has_data else _no_data(ax)
+        ax.set_xlabel("context tokens")
+        if contexts and len(contexts) == len(xs):
+            # sweeps double the context, so a log2 axis spaces them evenly
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(contexts, [f"{x:g}" for x in contexts])
+            ax.minorticks_off()
+    return _save(fig, path)
+
+
+def _plot_time_split(methods: dict[str, dict[str, Any]], path: Path) -> Path | None:
+    split = {n: [num(m.get(key)) for key, _, _ in TIME_PARTS] for n, m in methods.items()}
+    split = {n: parts for n, parts in split.items() if any(t is not None for t in parts)}
+    if not split:
+        return None
+    fig, (ax,) = _figure(max(5.0, 1.2 * len(split) + 2), 4.0)
+    bottom = [0.0] * len(split)
+    for i, (_, label, color) in enumerate(TIME_PARTS):
+        heights = [(parts[i] or 0.0) for parts in split.values()]
+        ax.bar(list(split), heights, 0.6, bottom=bottom, label=label, color=color)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.set(ylabel="seconds, summed over prompts", title="Where the time goes")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    return _save(fig, path)
+
+
+def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
+    methods = methods_of(result)
+    written = [
+        _plot_groups(methods, out / "speedup_by_group.png") if methods else None,
+        _plot_acceptance(methods, out / "acceptance_per_position.png"),
+        _plot_gamma(result, out / "speedup_vs_gamma.png"),
+        _plot_context(result, out / "context.png"),
+        _plot_time_split(methods, out / "time_split.png"),
+    ]
+    return [p for p in written if p is not None]
+
+
+def plot_tune(profile: dict[str, Any], path: Path) -> Path:
+    """Left: predicted (dashed) and measured (solid) speedup against gamma, the best
+    gamma marked; right: the acceptance alpha per draft position that the prediction used."""
+    fig, (left, right) = _figure(11.0, 4.2, 2)
+    sweep = [as_dict(p) for p in as_list(profile.get("sweep"))]
+    gammas = [p.get("gamma") for p in sweep]
+    drawn = False
+    for key, style, color in (("predicted", PREDICTED, "C0"), ("measured", MEASURED, "C1")):
+        values = [p.get(f"{key}_speedup") for p in sweep]
+        drawn |= _line(left, gammas, values, color=color, label=key, **style)
+    _speedup_vs_gamma_axes(left)
+    best = num(profile.get("best_gamma"))
+    if best is not None:
+        left.axvline(best, color="C2", linestyle="-.", label=f"best {GAMMA} = {best:g}")
+    left.legend(fontsize="small") if drawn else _no_data(left)
+    alphas = [
+        (i + 1, a) for i, a in enumerate(map(num, as_list(profile.get("alphas")))) if a is not None
+    ]
+    if alphas:
+        bars = right.bar(*zip(*alphas, strict=True), 0.6, color="C0")
+        right.bar_label(bars, fmt="%.2f", fontsize="small")
+    else:
+        _no_data(right)
+    _integer_ticks(right)
+    right.set(
+        xlabel="draft position",
+        ylabel=f"{ALPHA} = P(accepted | earlier drafts accepted)",
+        ylim=(0, 1.1),
+    )
+    right.set_title("Acceptance per draft position")
+    fig.suptitle(f"target {profile.get('target', '?')}, draft {profile.get('draft', '?')}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _save(fig, path)
