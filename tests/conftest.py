@@ -20,8 +20,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from specmtp.api import SpecGenerator, eos_token_ids
 from specmtp.cli import main
-from specmtp.models import load_model
+from specmtp.models import LoadedModel, load_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Tiny models gain nothing from threads, and on a shared 2-core machine a second thread
@@ -29,6 +30,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
 TINY_VOCAB = 96
+# The shipped drafts' and heads' tests: one chat prompt, greedy, against HF's own decoding.
+SHIPPED_PROMPT = "Write a Python function that returns the sum of the squares of a list of numbers."
+SHIPPED_NEW_TOKENS = 48
 
 
 def tiny_model(
@@ -76,6 +80,19 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def default_model(specmtp_cache: Path) -> LoadedModel:
+    return load_model("default")
+
+
+@pytest.fixture(scope="module")
+def shipped_greedy(default_model: LoadedModel) -> list[int]:
+    """HF's greedy answer of the default model to SHIPPED_PROMPT, stopping as ours does."""
+    ids = SpecGenerator(default_model).encode(SHIPPED_PROMPT, chat=True)
+    eos = eos_token_ids(default_model)
+    return hf_greedy(default_model.model, ids, SHIPPED_NEW_TOKENS, eos=eos)
 
 
 def perturbed_copy(model: PreTrainedModel, *, scale: float, seed: int) -> PreTrainedModel:

@@ -5,48 +5,34 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, tiny_model
+from conftest import SHIPPED_NEW_TOKENS, SHIPPED_PROMPT, tiny_model
 from safetensors.torch import load_file
 
-from specmtp.api import SpecGenerator, eos_token_ids
+from specmtp.api import SpecGenerator
 from specmtp.config import GenerationConfig
 from specmtp.decode import GenerationResult
 from specmtp.draft_model import SHIPPED_DRAFTS, load_draft, shipped_drafts_dir
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel, load_model
 
-PROMPT = "Write a Python function that returns the sum of the squares of a list of numbers."
-NEW_TOKENS = 48
-
 
 @pytest.fixture(scope="module")
-def default() -> LoadedModel:
-    return load_model("default")
-
-
-@pytest.fixture(scope="module")
-def expected(default: LoadedModel) -> list[int]:
-    ids = SpecGenerator(default).encode(PROMPT, chat=True)
-    return hf_greedy(default.model, ids, NEW_TOKENS, eos=eos_token_ids(default))
-
-
-@pytest.fixture(scope="module")
-def runs(default: LoadedModel) -> dict[str, GenerationResult]:
-    """Each shipped draft's greedy run on PROMPT at γ = 3."""
+def runs(default_model: LoadedModel) -> dict[str, GenerationResult]:
+    """Each shipped draft's greedy run on SHIPPED_PROMPT at γ = 3."""
     found = {}
     for spec in SHIPPED_DRAFTS:
-        generator = SpecGenerator(default, draft=spec)
-        ids = generator.encode(PROMPT, chat=True)
-        config = GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=3)
+        generator = SpecGenerator(default_model, draft=spec)
+        ids = generator.encode(SHIPPED_PROMPT, chat=True)
+        config = GenerationConfig(max_new_tokens=SHIPPED_NEW_TOKENS, gamma=3)
         found[spec] = generator.decoder.generate(ids, config)
     return found
 
 
 @pytest.mark.parametrize("spec", list(SHIPPED_DRAFTS))
 def test_shipped_drafts_stay_greedy_exact(
-    runs: dict[str, GenerationResult], expected: list[int], spec: str
+    runs: dict[str, GenerationResult], shipped_greedy: list[int], spec: str
 ) -> None:
-    assert runs[spec].tokens == expected
+    assert runs[spec].tokens == shipped_greedy
     assert runs[spec].stats.accepted_tokens > 0
 
 
@@ -57,16 +43,16 @@ def test_distillation_beats_plain_text_training(runs: dict[str, GenerationResult
 
 
 def test_the_mtp_draft_proposes_several_tokens_per_forward(
-    default: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    default_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    draft = load_draft(shipped_drafts_dir() / "distilled-mtp", target=default.model)
+    draft = load_draft(shipped_drafts_dir() / "distilled-mtp", target=default_model.model)
     assert draft.heads is not None and draft.draft_config.mtp_heads == 3
     calls = []
-    generator = SpecGenerator(default, draft="distilled-mtp")
+    generator = SpecGenerator(default_model, draft="distilled-mtp")
     model = generator.decoder.drafter.runner.model
     forward = model.forward
     monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
-    ids = generator.encode(PROMPT, chat=True)
+    ids = generator.encode(SHIPPED_PROMPT, chat=True)
     result = generator.decoder.generate(ids, GenerationConfig(max_new_tokens=24, gamma=4))
     rounds = result.stats.rounds  # verify passes
     assert 0 < len(calls) <= rounds  # at most one draft forward per round (γ = 1 + 3 heads)

@@ -3,38 +3,24 @@
 from __future__ import annotations
 
 import pytest
-from conftest import hf_greedy, tiny_model
+from conftest import SHIPPED_NEW_TOKENS, SHIPPED_PROMPT, tiny_model
 
-from specmtp.api import SpecGenerator, eos_token_ids
+from specmtp.api import SpecGenerator
 from specmtp.config import GenerationConfig
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel, load_model
 
-PROMPT = "Write a Python function that returns the sum of the squares of a list of numbers."
-NEW_TOKENS = 48
-
-
-@pytest.fixture(scope="module")
-def default() -> LoadedModel:
-    return load_model("default")
-
-
-@pytest.fixture(scope="module")
-def expected(default: LoadedModel) -> list[int]:
-    ids = SpecGenerator(default).encode(PROMPT, chat=True)
-    return hf_greedy(default.model, ids, NEW_TOKENS, eos=eos_token_ids(default))
-
 
 @pytest.mark.parametrize("spec", ["mtp", "mtp-tree"])
 def test_shipped_heads_draft_and_stay_greedy_exact(
-    default: LoadedModel, expected: list[int], spec: str
+    default_model: LoadedModel, shipped_greedy: list[int], spec: str
 ) -> None:
-    generator = SpecGenerator(default, draft=spec)
-    ids = generator.encode(PROMPT, chat=True)
-    result = generator.decoder.generate(ids, GenerationConfig(max_new_tokens=NEW_TOKENS))
-    assert result.tokens == expected
+    generator = SpecGenerator(default_model, draft=spec)
+    ids = generator.encode(SHIPPED_PROMPT, chat=True)
+    result = generator.decoder.generate(ids, GenerationConfig(max_new_tokens=SHIPPED_NEW_TOKENS))
+    assert result.tokens == shipped_greedy
     # Trained heads get drafts accepted; fresh (identity) heads would almost never.
-    assert result.stats.accepted_tokens > 0.1 * len(expected)
+    assert result.stats.accepted_tokens > 0.1 * len(shipped_greedy)
 
 
 def test_mtp_heads_refuse_another_target() -> None:
