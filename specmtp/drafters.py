@@ -284,18 +284,17 @@ class MTPDrafter:
             return empty_proposal(context.shape[0], context.device)
         if self.tree is not None:
             return self._tree_proposal(context, k)
-        logits = self._depth_logits(context, k)  # [B, k, V] full vocabulary
-        if sampling.greedy or isinstance(self.heads, SequentialMTP):
+        if self.history is not None:  # sequential depths: their greedy chain
+            return Proposal(self.history.draft(context, k)[0], None)
+        logits = self._head_logits(k)  # [B, k, V] full vocabulary
+        if sampling.greedy:
             return Proposal(logits.argmax(-1), None)
         q = logits_to_probs(logits, sampling)  # [B, k, V]: each head's own distribution
         return Proposal(choose(q, sampling, generator), q)
 
-    def _depth_logits(self, context: torch.Tensor, k: int) -> torch.Tensor:
-        """Logits over the full vocabulary for draft depths 1..k: [B, k, V]."""
-        if self.history is not None:
-            _, logits = self.history.draft(context, k)  # [B, k, V']
-        else:
-            logits = self.heads(self.hidden)[:, :k, -1]  # [B, K, 1, V'] -> [B, k, V']
+    def _head_logits(self, k: int) -> torch.Tensor:
+        """Parallel heads' logits over the full vocabulary for depths 1..k: [B, k, V]."""
+        logits = self.heads(self.hidden)[:, :k, -1]  # [B, K, 1, V'] -> [B, k, V']
         return self.heads.to_full_logits(logits)
 
     def _tree_proposal(self, context: torch.Tensor, k: int) -> Proposal:
@@ -305,7 +304,7 @@ class MTPDrafter:
         if self.history is not None:
             return Proposal(build_tree_tokens(tree, self.history.draft_tree(context, tree)),
                             None, tree=tree)  # fmt: skip
-        logits = self._depth_logits(context, k)  # [B, k, V]
+        logits = self._head_logits(k)  # [B, k, V]
         width = max(path[-1] for path in tree.paths) + 1
         candidates = list(logits.topk(width, dim=-1).indices.unbind(1))  # k x [B, width]
         return Proposal(build_tree_tokens(tree, candidates), None, tree=tree)
