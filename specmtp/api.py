@@ -127,6 +127,22 @@ def weights_fingerprints(target: LoadedModel, drafter: Drafter | None) -> dict[s
     }
 
 
+def use_profile_tree(profile: Profile, drafter: Drafter | None) -> None:
+    """A tree drafter drafts with the tree its profile's budget sweep chose, if any."""
+    tree = profile.token_tree()
+    if tree is None:
+        return
+    if not isinstance(drafter, MTPDrafter) or drafter.tree is None:
+        raise SpecMTPError(
+            f"profile for {profile.draft!r} holds a token tree, but this draft drafts chains"
+        )
+    if tree.max_depth > drafter.max_depth:
+        raise SpecMTPError(
+            f"the profile's tree is {tree.max_depth} deep but the heads predict {drafter.max_depth}"
+        )
+    drafter.tree = tree
+
+
 def eos_token_ids(loaded: LoadedModel) -> list[int]:
     """The ids that end generation: the generation config's and the tokenizer's."""
     ids = loaded.model.generation_config.eos_token_id
@@ -157,6 +173,7 @@ class SpecGenerator:
         if profile is not None:  # the kernel plan measured with the profile, if any
             check_profile_weights(profile, weights_fingerprints(self.target, drafter))
             apply_kernel_plan(self.target.model, profile.meta.get("kernel_plan"))
+            use_profile_tree(profile, drafter)
         tokenizer = self.target.tokenizer
         self.decoder = SpecDecoder(
             self.target.model,

@@ -78,6 +78,14 @@ def _gamma_arg(text: str) -> str:
     raise argparse.ArgumentTypeError(f"expected a number, auto, best or hf; got {text!r}")
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    """--budgets: comma-separated whole numbers; argparse reports anything else."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 2,4,8; got {text!r}") from None
+
+
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     gen, sampling = GenerationConfig(), SamplingConfig()
     parser.add_argument(
@@ -220,6 +228,11 @@ def _add_tune_command(commands: argparse._SubParsersAction) -> None:
     ]:  # fmt: skip
         flag = "--" + name.replace("_", "-")
         tune.add_argument(flag, type=kind, default=defaults[name], help=f"default {defaults[name]}")
+    tune.add_argument(
+        "--budgets", type=_int_list, default=defaults["budgets"], metavar="N,N,...",
+        help="tree drafters (mtp-tree): tree sizes in nodes to sweep (default "
+        + ",".join(map(str, defaults["budgets"])) + ")",
+    )  # fmt: skip
     tune.add_argument(
         "--out", type=Path, help="profile JSON (default: the pair's own, in the cache)"
     )
@@ -429,6 +442,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         draft=args.draft,
         max_gamma=args.max_gamma,
+        budgets=args.budgets,
         limit=args.limit,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

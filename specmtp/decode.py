@@ -302,6 +302,7 @@ class SpecDecoder:
             path = verdict.accepted_path(0)
             kept = [0] + [node + 1 for node in path]
             commit_tree_path(self.target, past, path)
+            stats.record_tree(proposal.tree.paths, path)
             accepted = proposal.tokens[:, path]
         hidden = self.target.last_hidden
         verified = proposal.tokens.shape[1] + 1

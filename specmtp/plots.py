@@ -207,15 +207,21 @@ def plot_tune(profile: dict[str, Any], path: Path) -> Path:
     gamma marked; right: the acceptance alpha per draft position that the prediction used."""
     fig, (left, right) = _figure(11.0, 4.2, 2)
     sweep = [as_dict(p) for p in as_list(profile.get("sweep"))]
-    gammas = [p.get("gamma") for p in sweep]
+    trees = bool(profile.get("tree"))  # a tree profile sweeps budgets (nodes), not γ
+    xs = [p.get("budget" if trees else "gamma") for p in sweep]
     drawn = False
     for key, style, color in (("predicted", PREDICTED, "C0"), ("measured", MEASURED, "C1")):
         values = [p.get(f"{key}_speedup") for p in sweep]
-        drawn |= _line(left, gammas, values, color=color, label=key, **style)
+        drawn |= _line(left, xs, values, color=color, label=key, **style)
     _speedup_vs_gamma_axes(left)
-    best = num(profile.get("best_gamma"))
+    if trees:
+        left.set(xlabel="tree nodes (budget)")
+        left.set_title("Speedup vs tree budget")
+        best, label = len(as_list(profile.get("tree"))), "best tree"
+    else:
+        best, label = num(profile.get("best_gamma")), f"best {GAMMA}"
     if best is not None:
-        left.axvline(best, color="C2", linestyle="-.", label=f"best {GAMMA} = {best:g}")
+        left.axvline(best, color="C2", linestyle="-.", label=f"{label} = {best:g}")
     left.legend(fontsize="small") if drawn else _no_data(left)
     alphas = [
         (i + 1, a) for i, a in enumerate(map(num, as_list(profile.get("alphas")))) if a is not None

@@ -20,6 +20,7 @@ import torch
 
 from specmtp.costmodel import CostModel
 from specmtp.errors import SpecMTPError
+from specmtp.tree import TokenTree
 
 PROFILE_VERSION = 2  # 2: profiles carry the weights' fingerprints (meta["weights"])
 _SAMPLED_VALUES = 64  # values per tensor that go into a weights fingerprint
@@ -36,6 +37,8 @@ class Profile:
     best_gamma: int  # the fastest fixed γ measured
     sweep: tuple[dict[str, Any], ...] = ()  # per γ: predicted and measured speedup, τ
     meta: dict[str, Any] = field(default_factory=dict)
+    # A tree drafter's fastest tree (child-rank paths); () for chains
+    tree: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.alphas or not all(0.0 <= a <= 1.0 for a in self.alphas):
@@ -46,6 +49,12 @@ class Profile:
             )
         if not all(isinstance(row, dict) for row in self.sweep):
             raise SpecMTPError("a profile's sweep must be a list of objects")
+        if self.tree and self.token_tree().max_depth > len(self.alphas):
+            raise SpecMTPError("a profile's tree is deeper than its acceptance rates")
+
+    def token_tree(self) -> TokenTree | None:
+        """The tuned tree, validated; None for a chain profile."""
+        return TokenTree(self.tree) if self.tree else None
 
     @property
     def max_gamma(self) -> int:
@@ -61,6 +70,7 @@ class Profile:
             "alphas": [round(a, 4) for a in self.alphas],
             "cost_model": self.cost_model.to_dict(),
             "sweep": list(self.sweep),
+            "tree": [list(p) for p in self.tree],
             "meta": self.meta,
         }
 
@@ -80,6 +90,7 @@ class Profile:
                 int(data["best_gamma"]),
                 tuple(_list(data.get("sweep", []))),
                 dict(data.get("meta", {})),
+                tuple(tuple(int(r) for r in p) for p in _list(data.get("tree", []))),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise SpecMTPError(f"{where}: not a specmtp tuning profile ({e})") from None
@@ -103,7 +114,7 @@ class Profile:
 
 def _list(value: Any) -> list[Any]:
     if not isinstance(value, list):
-        raise ValueError("sweep must be a list")
+        raise ValueError("sweep and tree must be lists")
     return value
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,10 @@ class GenerationStats:
     position_reached: list[int] = field(default_factory=list)
     requested_gammas: dict[int, int] = field(default_factory=dict)  # γ asked -> rounds
     verify_sizes: dict[int, int] = field(default_factory=dict)  # tokens verified -> rounds
+    # Token trees, per (depth, child rank): rounds whose accepted path reached the node's
+    # parent, and rounds that accepted the node. tune estimates rank probabilities from them.
+    tree_reached: dict[tuple[int, int], int] = field(default_factory=dict)
+    tree_accepted: dict[tuple[int, int], int] = field(default_factory=dict)
     peak_kv_bytes: int = 0  # target and drafter caches together, sampled after each verify
     peak_rss_bytes: int = 0  # the process's resident memory, sampled after each verify
     first_token_s: float = 0.0  # time to the first committed new token (TTFT)
@@ -82,6 +87,17 @@ class GenerationStats:
             # The drafter stopped short (n-gram lookup found nothing more): for the cost
             # model, a position asked for and not drafted is a position rejected.
             self.position_reached[drafted] += 1
+
+    def record_tree(self, paths: Sequence[tuple[int, ...]], accepted: Sequence[int]) -> None:
+        """One tree round: `paths` are the tree's nodes as child-rank paths, `accepted` the
+        node indices of the accepted path. A node is reached when its parent is the root or
+        on the accepted path."""
+        kept = {()} | {paths[i] for i in accepted}
+        for path in paths:
+            if path[:-1] in kept:
+                key = (len(path), path[-1])
+                self.tree_reached[key] = self.tree_reached.get(key, 0) + 1
+                self.tree_accepted[key] = self.tree_accepted.get(key, 0) + (path in kept)
 
     def record_memory(self, kv_bytes: int) -> None:
         self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes)

@@ -5,6 +5,8 @@ conditional acceptance α_i per draft position, on training prompts (never the e
 sets: a γ tuned on them would flatter the benchmark), then sweeps γ with plain decoding
 interleaved per prompt, prints predicted and measured speedup per γ, and writes a profile
 that `--gamma auto` (the adaptive schedule) and `SPEC@best` in the bench start from.
+A tree drafter (`mtp-tree`) sweeps tree budgets instead (nodes per tree, `tune_tree.py`),
+and its profile carries the fastest tree.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +36,8 @@ from specmtp.kernels import measure_kernel_plan
 from specmtp.models import DTYPES, load_model
 from specmtp.profile import Profile, default_profile_path
 from specmtp.stats import GenerationStats
+from specmtp.tree import TokenTree
+from specmtp.tune_tree import budget_trees, expected_tree_tokens, rank_probabilities, sweep_budgets
 
 Log = Callable[[str], None]
 
@@ -44,6 +49,7 @@ class TuneConfig:
     dtype: str = "float32"  # a models.DTYPES name
     draft: str = "ngram"
     max_gamma: int = 8
+    budgets: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)  # tree nodes, for a tree drafter
     limit: int = 8  # prompts used, after a seeded shuffle of the sources
     max_new_tokens: int = 96
     temperature: float = 0.0
@@ -64,6 +70,8 @@ class TuneConfig:
                 )
         if not 1 <= self.max_gamma <= 32:
             raise SpecMTPError(f"max-gamma must be in 1..32, got {self.max_gamma}")
+        if not self.budgets or not all(1 <= b <= 64 for b in self.budgets):
+            raise SpecMTPError(f"tree budgets must be in 1..64 nodes, got {list(self.budgets)}")
         if self.limit < 1:
             raise SpecMTPError(f"limit must be >= 1, got {self.limit}")
         GenerationConfig(self.max_new_tokens)  # validates max_new_tokens
@@ -104,7 +112,7 @@ def sweep_runs(
     return runs
 
 
-def _tokens_per_s(runs: Sequence[GenerationStats]) -> float:
+def tokens_per_s(runs: Sequence[GenerationStats]) -> float:
     return sum(s.new_tokens for s in runs) / sum(s.total_s for s in runs)
 
 
@@ -115,16 +123,15 @@ def pooled_alphas(runs: Sequence[GenerationStats], max_gamma: int) -> tuple[floa
     return tuple(a or 0.0 for a in conditional_acceptance(reached, accepted))
 
 
-def predicted_speedup(
-    cost: CostModel, alphas: Sequence[float], gamma: int, runs: Sequence[GenerationStats]
-) -> float:
-    """E(γ) from α, over the expected round time: the measured draft time per round, and T(n)
-    weighted by how often each verify size n occurred (a drafter that finds nothing, like
-    n-gram lookup, verifies fewer than γ + 1 tokens)."""
+def predicted_speedup(cost: CostModel, expected: float, runs: Sequence[GenerationStats]) -> float:
+    """`expected` tokens per round (E(γ) from α, or a tree's), over the expected round time:
+    the measured draft time per round, and T(n) weighted by how often each verify size n
+    occurred (a drafter that finds nothing, like n-gram lookup, verifies fewer than γ + 1
+    tokens; a tree verifies its nodes + 1)."""
     rounds = sum(s.rounds for s in runs)
     draft = sum(s.draft_s for s in runs) / rounds
     verify = sum(c * cost.target_s(n) for s in runs for n, c in s.verify_sizes.items()) / rounds
-    return expected_tokens(alphas, gamma) * cost.target_s(1) / (draft + verify)
+    return expected * cost.target_s(1) / (draft + verify)
 
 
 def build_profile(
@@ -135,7 +142,7 @@ def build_profile(
     fixed, per_token = fit_draft_cost(samples)
     cost = CostModel(verify_s, fixed, per_token)
     alphas = pooled_alphas([s for g, rs in runs.items() if g > 0 for s in rs], config.max_gamma)
-    plain = _tokens_per_s(runs[0])
+    plain = tokens_per_s(runs[0])
     sweep = [
         {
             "gamma": 0,
@@ -151,25 +158,73 @@ def build_profile(
         sweep.append(
             {
                 "gamma": gamma,
-                "predicted_speedup": round(predicted_speedup(cost, alphas, gamma, rs), 4),
-                "measured_speedup": round(_tokens_per_s(rs) / plain, 4),
-                "tokens_per_s": round(_tokens_per_s(rs), 3),
+                "predicted_speedup": round(
+                    predicted_speedup(cost, expected_tokens(alphas, gamma), rs), 4
+                ),
+                "measured_speedup": round(tokens_per_s(rs) / plain, 4),
+                "tokens_per_s": round(tokens_per_s(rs), 3),
                 "mean_accepted_tokens": round(committed / rounds, 4),
             }
         )
     best = max(sweep[1:], key=lambda row: row["measured_speedup"])["gamma"]
-    meta = {
+    return Profile(
+        config.target, config.draft, cost, alphas, best, tuple(sweep), _meta(config, runs[0])
+    )
+
+
+def build_tree_profile(
+    config: TuneConfig,
+    runs: dict[int, list[GenerationStats]],
+    trees: dict[int, TokenTree],
+    rank_probs: list[list[float]],
+    verify_s: tuple[float, ...],
+) -> Profile:
+    """The profile of a tree budget sweep: per budget, the tree, E, predicted and measured
+    speedup and τ; the fastest measured tree becomes the profile's tree. α per depth is the
+    top-ranked child's acceptance, for the adaptive schedule's depth choice."""
+    samples = [(tree.max_depth, s.draft_s / s.rounds) for b, tree in trees.items()
+               for s in runs[b] if s.rounds]  # fmt: skip
+    cost = CostModel(verify_s, *fit_draft_cost(samples))
+    plain = tokens_per_s(runs[0])
+    first = {"gamma": 0, "budget": 0, "predicted_speedup": 1.0, "measured_speedup": 1.0}
+    sweep: list[dict[str, Any]] = [{**first, "tokens_per_s": round(plain, 3)}]
+    for budget, tree in trees.items():
+        rs, expected = runs[budget], expected_tree_tokens(tree, rank_probs)
+        committed = sum(s.accepted_tokens + s.rounds for s in rs)
+        sweep.append(
+            {
+                "gamma": tree.max_depth,
+                "budget": budget,
+                "predicted_speedup": round(predicted_speedup(cost, expected, rs), 4),
+                "measured_speedup": round(tokens_per_s(rs) / plain, 4),
+                "tokens_per_s": round(tokens_per_s(rs), 3),
+                "mean_accepted_tokens": round(committed / sum(s.rounds for s in rs), 4),
+                "expected_tokens": round(expected, 4),
+                "tree": [list(p) for p in tree.paths],
+            }
+        )
+    best = max(sweep[1:], key=lambda row: row["measured_speedup"])
+    alphas = tuple(row[0] if row else 0.0 for row in rank_probs)
+    meta = _meta(config, runs[0])
+    meta["rank_probabilities"] = [[round(p, 4) for p in row] for row in rank_probs]
+    return Profile(
+        config.target, config.draft, cost, alphas, int(best["gamma"]), tuple(sweep), meta,
+        tree=trees[int(best["budget"])].paths,
+    )  # fmt: skip
+
+
+def _meta(config: TuneConfig, plain_runs: Sequence[GenerationStats]) -> dict[str, Any]:
+    return {
         "machine": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "prompts": [str(p) for p in config.prompts],
-        "num_prompts": len(runs[0]),
+        "num_prompts": len(plain_runs),
         "max_new_tokens": config.max_new_tokens,
         "temperature": config.temperature,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    return Profile(config.target, config.draft, cost, alphas, best, tuple(sweep), meta)
 
 
 def run_tune(config: TuneConfig, *, log: Log) -> Profile:
@@ -184,27 +239,61 @@ def run_tune(config: TuneConfig, *, log: Log) -> Profile:
     warmup = replace(_generation(config, config.max_gamma), max_new_tokens=8)
     for gen in (plain, spec):
         gen.decoder.generate(prompt_ids[0], warmup)
-    runs = sweep_runs(plain, spec, prompt_ids, config, log)
-    largest = max(n for rs in runs.values() for s in rs for n in s.verify_sizes)
-    log(f"measuring T(n) for n = 1..{largest}")
-    verify_s = measure_verify_costs(
-        spec.decoder.target, prompt_ids[0], max_tokens=max(largest, config.max_gamma + 1)
-    )
-    profile = build_profile(config, runs, verify_s)
+    tree = getattr(spec.decoder.drafter, "tree", None)
+    if tree is None:
+        runs = sweep_runs(plain, spec, prompt_ids, config, log)
+        profile = build_profile(config, runs, _verify_costs(spec, prompt_ids, runs, config, log))
+    else:
+        log(f"measuring rank probabilities with the drafter's {tree.num_nodes}-node tree")
+        first = [_run(spec, ids, _generation(config, tree.max_depth)) for ids in prompt_ids]
+        rank_probs = rank_probabilities(first)
+        if not rank_probs:
+            raise SpecMTPError(
+                "no tree round ran: every answer ended at once; give more or longer prompts"
+            )
+        trees = budget_trees(rank_probs, config.budgets)
+
+        def run(gen: SpecGenerator, ids: list[int], gamma: int) -> GenerationStats:
+            return _run(gen, ids, _generation(config, gamma))
+
+        runs = sweep_budgets(plain, spec, prompt_ids, trees, run, log)
+        verify_s = _verify_costs(spec, prompt_ids, runs, config, log)
+        profile = build_tree_profile(config, runs, trees, rank_probs, verify_s)
     profile.meta["kernel_plan"] = None if plan is None else plan.by_rows
     profile.meta["weights"] = weights_fingerprints(target, spec.decoder.drafter)
     profile.save(config.profile_path)
     return profile
 
 
+def _verify_costs(
+    spec: SpecGenerator,
+    prompt_ids: Sequence[list[int]],
+    runs: dict[int, list[GenerationStats]],
+    config: TuneConfig,
+    log: Log,
+) -> tuple[float, ...]:
+    largest = max(n for rs in runs.values() for s in rs for n in s.verify_sizes)
+    log(f"measuring T(n) for n = 1..{largest}")
+    return measure_verify_costs(
+        spec.decoder.target, prompt_ids[0], max_tokens=max(largest, config.max_gamma + 1)
+    )
+
+
 def sweep_table(profile: Profile) -> str:
-    rows = ["  γ  predicted  measured  tokens/s     τ", "-" * 40]
+    trees = bool(profile.tree)  # a tree profile: one row per budget (nodes)
+    head = "nodes  depth" if trees else "  γ"
+    rows = [f"{head}  predicted  measured  tokens/s     τ", "-" * (40 + 8 * trees)]
     for row in profile.sweep:
         tau = row.get("mean_accepted_tokens")
+        first = f"{row['budget']:>5}  {row['gamma']:>5}" if trees else f"{row['gamma']:>3}"
         rows.append(
-            f"{row['gamma']:>3}  {row['predicted_speedup']:8.2f}x  {row['measured_speedup']:7.2f}x"
+            f"{first}  {row['predicted_speedup']:8.2f}x  {row['measured_speedup']:7.2f}x"
             f"  {row['tokens_per_s']:8.1f}  {'-' if tau is None else f'{tau:4.2f}':>4}"
         )
     alphas = " ".join(f"{a:.2f}" for a in profile.alphas)
-    rows.append(f"best γ {profile.best_gamma}; α by position: {alphas}")
+    if trees:
+        rows.append(f"best tree ({len(profile.tree)} nodes, depth {profile.best_gamma}): "
+                    f"{[list(p) for p in profile.tree]}; top-1 α by depth: {alphas}")  # fmt: skip
+    else:
+        rows.append(f"best γ {profile.best_gamma}; α by position: {alphas}")
     return "\n".join(rows)
