@@ -30,6 +30,7 @@ from specmtp.report_values import (
     num,
     scaled,
 )  # fmt: skip
+from specmtp.schedule_report import schedule_rows, schedule_summary
 
 # Used when the bench's config does not carry its own definition under the same key.
 DEFINITIONS = {
@@ -217,6 +218,20 @@ def _group_table(methods: dict[str, dict[str, Any]]) -> str:
     return _table(header, rows, labels=2)
 
 
+def _schedule_table(methods: dict[str, dict[str, Any]]) -> tuple[str, str]:
+    """Adaptive γ against the best fixed γ and the heuristic, per group; and the counts."""
+    rows = schedule_rows(methods)
+    header = ["drafter", "group", f"best fixed {GAMMA}", "its speedup", "adaptive"]
+    header += ["adaptive / best", "heuristic", "adaptive / heuristic"]
+    table = [
+        [r.drafter, r.group, r.best_fixed, times(r.best_fixed_speedup), times(r.auto_speedup),
+         fixed(r.auto_vs_best), times(r.hf_speedup), fixed(r.auto_vs_hf)]
+        for r in rows
+    ]  # fmt: skip
+    note = "\n".join(f"- {line}" for line in schedule_summary(rows))
+    return _table(header, table, labels=3), note
+
+
 def _temperature_table(result: dict[str, Any]) -> str:
     header = ["temperature", "method", "tokens/s", "speedup", TAU, "efficiency", "mismatches"]
     rows = []
@@ -269,6 +284,7 @@ def render_markdown(
     """The report text; `images` names the PNGs written beside it, which it links to."""
     methods, config = methods_of(result), as_dict(result.get("config"))
     config_rows = [[k, _config_value(v)] for k, v in config.items()]
+    schedules, schedule_note = _schedule_table(methods)
 
     def link(name: str) -> str | None:
         return name if name in images else None
@@ -283,6 +299,7 @@ def render_markdown(
         _section("Memory", _memory_table(methods)),
         _section("Acceptance", _acceptance_table(methods), link("acceptance_per_position.png")),
         _section("Speedup by group", _group_table(methods), link("speedup_by_group.png")),
+        _section("Schedules by group", schedules, note=schedule_note),
         _section("By temperature", _temperature_table(result)),
         _section("Context length", _context_table(result), link("context.png")),
         _section(f"Speedup vs {GAMMA}", _gamma_table(result), link("speedup_vs_gamma.png")),
