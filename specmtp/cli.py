@@ -312,6 +312,10 @@ def _add_distill_command(commands: argparse._SubParsersAction) -> None:
     distill.add_argument("--init", choices=["target", "random"], default=defaults["init"])
     distill.add_argument("--init-from", type=Path, help="a draft directory to continue training")
     distill.add_argument("--cache", type=Path, help="data cache directory (default OUT/data)")
+    distill.add_argument(
+        "--data-only", action="store_true",
+        help="build (or finish) the data cache, then stop without training",
+    )  # fmt: skip
     _add_field_flags(distill, defaults, [
         ("num_layers", int), ("draft_vocab", int), ("mtp_heads", int), ("mtp_decay", float),
         ("topk", int), *_TRAINING_FLAGS,
@@ -474,7 +478,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
         sources=tuple(args.data), **{name: getattr(args, name) for name in names}
     )
     report = train_draft(config)
-    print(f"draft written to {config.out / 'draft'}; held-out: {report.heldout}")
+    if config.data_only:
+        print(f"data cache {config.data_dir}: {report.tokens} tokens")
+    else:
+        print(f"draft written to {config.out / 'draft'}; held-out: {report.heldout}")
     print(json.dumps(dataclasses.asdict(report)))
     return 0
 

@@ -102,6 +102,7 @@ class DistillTrainConfig:
     # "bf16": autocast matmuls to bfloat16 (weights and optimizer stay float32). On CPUs with
     # AMX or AVX512-BF16 a training step runs several times faster.
     mixed_precision: str = "no"
+    data_only: bool = False  # build (or finish) the data cache, then stop: no training
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -155,6 +156,8 @@ def train_draft(config: DistillTrainConfig) -> DistillReport:
     config.out.mkdir(parents=True, exist_ok=True)
     target = load_model(config.target, dtype=DTYPES[config.dtype])
     data = _prepare_data(config, target)
+    if config.data_only:
+        return DistillReport(0, {}, data.tokens, 0, 0.0, time.perf_counter() - start_time)
     draft = _build_draft(config, target, data).float()  # float32 master weights
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)

@@ -405,6 +405,26 @@ def test_cli_distill_runs_and_refuses_a_missing_init_draft(
     assert "cannot read a draft" in err
 
 
+def test_data_only_builds_the_cache_and_trains_nothing(
+    capfd: pytest.CaptureFixture[str],
+    distilled: tuple[DistillTrainConfig, DistillReport],
+    tiny_target: Path,
+    prompts: Path,
+    tmp_path: Path,
+) -> None:
+    run, out = distilled[0], tmp_path / "data-only"
+    code, stdout, err = run_cli(
+        capfd, "distill", "--data", str(prompts), "--target", str(tiny_target), "--out",
+        str(out), "--max-new-tokens", "12", "--topk", "8", "--data-only",
+    )  # fmt: skip
+    assert code == 0, err
+    assert stdout.splitlines()[0].startswith(f"data cache {out / 'data'}: ")
+    assert sorted(p.name for p in out.iterdir()) == ["data"]  # no draft, no checkpoints
+    built, reference = DistillCache.open(out / "data"), DistillCache.open(run.data_dir)
+    assert built.manifest["key"] == reference.manifest["key"]  # the same content
+    assert json.loads(stdout.splitlines()[-1])["tokens"] == reference.manifest["num_tokens"]
+
+
 def test_cli_generate_refuses_a_missing_or_foreign_draft(
     capfd: pytest.CaptureFixture[str],
     distilled: tuple[DistillTrainConfig, DistillReport],
