@@ -1,6 +1,7 @@
-"""Summarise a bench result: per group, the adaptive schedule against the best fixed γ and
-against Hugging Face's +2/-1 schedule, for each drafter benchmarked as DRAFT@N, DRAFT@auto
-and DRAFT@hf.
+"""Summarise a saved bench result: per group, the adaptive schedule against the best fixed γ
+and against Hugging Face's +2/-1 schedule, for each drafter benchmarked as DRAFT@N,
+DRAFT@auto and DRAFT@hf (the report's "Schedules by group" section, from specmtp's
+schedule_report, for results written before the report had it).
 
     python scripts/adaptive_report.py bench-out/main/result.json
 """
@@ -9,42 +10,21 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
-from typing import Any
+
+from specmtp.report_values import methods_of
+from specmtp.schedule_report import schedule_rows, schedule_summary
 
 
-def speedup(method: dict[str, Any], group: str) -> float:
-    return method["speedup"] if group == "ALL" else method["per_group"][group]["speedup"]
-
-
-def report(result: dict[str, Any]) -> list[str]:
-    methods = result["methods"]
-    drafters: dict[str, dict[str, str]] = defaultdict(dict)
-    for name in methods:
-        draft, _, gamma = name.partition("@")
-        if gamma and not draft.startswith("hf-"):
-            drafters[draft][gamma] = name
-    lines = []
-    for draft, by_gamma in drafters.items():
-        fixed = [name for gamma, name in by_gamma.items() if gamma.isdigit()]
-        auto, hf = by_gamma.get("auto"), by_gamma.get("hf")
-        lines.append(f"\n{draft}: group, best fixed (speedup), auto, auto/best, hf, auto/hf")
-        for group in [*methods["ar"]["per_group"], "ALL"]:
-            best = max(fixed, key=lambda name, g=group: speedup(methods[name], g))
-            top = speedup(methods[best], group)
-            row = f"  {group:28s} {best:10s} {top:5.2f}x"
-            if auto:
-                adaptive = speedup(methods[auto], group)
-                row += f"  auto {adaptive:5.2f}x  {adaptive / top:5.2f}"
-            if hf:
-                heuristic = speedup(methods[hf], group)
-                row += f"  hf {heuristic:5.2f}x"
-                if auto:
-                    row += f"  {adaptive / heuristic:5.2f}"
-            lines.append(row)
-    return lines
+def main(path: str) -> None:
+    rows = schedule_rows(methods_of(json.loads(Path(path).read_text())))
+    print("drafter, group, best fixed (speedup), adaptive, adaptive/best, hf, adaptive/hf")
+    for r in rows:
+        hf = "-" if r.hf_speedup is None else f"{r.hf_speedup:5.2f}x {r.auto_vs_hf:5.2f}"
+        print(f"{r.drafter:8s} {r.group:28s} {r.best_fixed:10s} {r.best_fixed_speedup:5.2f}x"
+              f"  {r.auto_speedup:5.2f}x {r.auto_vs_best:5.2f}  {hf}")  # fmt: skip
+    print("\n".join(schedule_summary(rows)))
 
 
 if __name__ == "__main__":
-    print("\n".join(report(json.loads(Path(sys.argv[1]).read_text()))))
+    main(sys.argv[1])
