@@ -112,7 +112,7 @@ def sweep_runs(
     return runs
 
 
-def tokens_per_s(runs: Sequence[GenerationStats]) -> float:
+def _tokens_per_s(runs: Sequence[GenerationStats]) -> float:
     return sum(s.new_tokens for s in runs) / sum(s.total_s for s in runs)
 
 
@@ -142,30 +142,12 @@ def build_profile(
     fixed, per_token = fit_draft_cost(samples)
     cost = CostModel(verify_s, fixed, per_token)
     alphas = pooled_alphas([s for g, rs in runs.items() if g > 0 for s in rs], config.max_gamma)
-    plain = tokens_per_s(runs[0])
-    sweep = [
-        {
-            "gamma": 0,
-            "predicted_speedup": 1.0,
-            "measured_speedup": 1.0,
-            "tokens_per_s": round(plain, 3),
-        }
-    ]
+    plain = _tokens_per_s(runs[0])
+    sweep = [_sweep_row(runs[0], plain, 1.0, gamma=0)]
     for gamma in range(1, config.max_gamma + 1):
         rs = runs[gamma]
-        rounds = sum(s.rounds for s in rs)
-        committed = sum(s.accepted_tokens + s.rounds for s in rs)
-        sweep.append(
-            {
-                "gamma": gamma,
-                "predicted_speedup": round(
-                    predicted_speedup(cost, expected_tokens(alphas, gamma), rs), 4
-                ),
-                "measured_speedup": round(tokens_per_s(rs) / plain, 4),
-                "tokens_per_s": round(tokens_per_s(rs), 3),
-                "mean_accepted_tokens": round(committed / rounds, 4),
-            }
-        )
+        predicted = predicted_speedup(cost, expected_tokens(alphas, gamma), rs)
+        sweep.append(_sweep_row(rs, plain, predicted, gamma=gamma))
     best = max(sweep[1:], key=lambda row: row["measured_speedup"])["gamma"]
     return Profile(
         config.target, config.draft, cost, alphas, best, tuple(sweep), _meta(config, runs[0])
@@ -185,24 +167,15 @@ def build_tree_profile(
     samples = [(tree.max_depth, s.draft_s / s.rounds) for b, tree in trees.items()
                for s in runs[b] if s.rounds]  # fmt: skip
     cost = CostModel(verify_s, *fit_draft_cost(samples))
-    plain = tokens_per_s(runs[0])
-    first = {"gamma": 0, "budget": 0, "predicted_speedup": 1.0, "measured_speedup": 1.0}
-    sweep: list[dict[str, Any]] = [{**first, "tokens_per_s": round(plain, 3)}]
+    plain = _tokens_per_s(runs[0])
+    sweep = [_sweep_row(runs[0], plain, 1.0, gamma=0, budget=0)]
     for budget, tree in trees.items():
         rs, expected = runs[budget], expected_tree_tokens(tree, rank_probs)
-        committed = sum(s.accepted_tokens + s.rounds for s in rs)
-        sweep.append(
-            {
-                "gamma": tree.max_depth,
-                "budget": budget,
-                "predicted_speedup": round(predicted_speedup(cost, expected, rs), 4),
-                "measured_speedup": round(tokens_per_s(rs) / plain, 4),
-                "tokens_per_s": round(tokens_per_s(rs), 3),
-                "mean_accepted_tokens": round(committed / sum(s.rounds for s in rs), 4),
-                "expected_tokens": round(expected, 4),
-                "tree": [list(p) for p in tree.paths],
-            }
-        )
+        row = _sweep_row(rs, plain, predicted_speedup(cost, expected, rs),
+                         gamma=tree.max_depth, budget=budget)  # fmt: skip
+        row["expected_tokens"] = round(expected, 4)
+        row["tree"] = [list(p) for p in tree.paths]
+        sweep.append(row)
     best = max(sweep[1:], key=lambda row: row["measured_speedup"])
     alphas = tuple(row[0] if row else 0.0 for row in rank_probs)
     meta = _meta(config, runs[0])
@@ -211,6 +184,20 @@ def build_tree_profile(
         config.target, config.draft, cost, alphas, int(best["gamma"]), tuple(sweep), meta,
         tree=trees[int(best["budget"])].paths,
     )  # fmt: skip
+
+
+def _sweep_row(
+    runs: Sequence[GenerationStats], plain: float, predicted: float, **point: int
+) -> dict[str, Any]:
+    """One sweep point (γ, or a tree budget and its depth): speedups against plain decoding's
+    tokens/s, and τ for a drafting point."""
+    row: dict[str, Any] = {**point, "predicted_speedup": round(predicted, 4)}
+    row["measured_speedup"] = round(_tokens_per_s(runs) / plain, 4)
+    row["tokens_per_s"] = round(_tokens_per_s(runs), 3)
+    if point.get("gamma"):
+        committed = sum(s.accepted_tokens + s.rounds for s in runs)
+        row["mean_accepted_tokens"] = round(committed / sum(s.rounds for s in runs), 4)
+    return row
 
 
 def _meta(config: TuneConfig, plain_runs: Sequence[GenerationStats]) -> dict[str, Any]:
