@@ -128,21 +128,31 @@ def _plot_acceptance(methods: dict[str, dict[str, Any]], path: Path) -> Path | N
 
 
 def _plot_gamma(result: dict[str, Any], path: Path) -> Path | None:
-    sweep = as_dict(result.get("gamma_sweep"))
+    """Speedup against γ for chain profiles; a tree profile's sweep is over node budgets, so
+    it gets its own panel with tree nodes on the x axis."""
+    raw = as_dict(result.get("gamma_sweep"))
+    sweep = {name: [as_dict(p) for p in as_list(points)] for name, points in raw.items()}
+    trees = {n: ps for n, ps in sweep.items() if any("budget" in p for p in ps)}
+    chains = {n: ps for n, ps in sweep.items() if n not in trees}
     colors = _colors([*methods_of(result), *sweep])
-    fig, (ax,) = _figure(6.5, 4.0)
-    drawn = False
-    for name, points in sweep.items():
-        points = [as_dict(p) for p in as_list(points)]
-        gammas = [p.get("gamma") for p in points]
-        for key, style in (("predicted", PREDICTED), ("measured", MEASURED)):
-            values = [p.get(f"{key}_speedup") for p in points]
-            drawn |= _line(ax, gammas, values, color=colors[name], label=f"{name} {key}", **style)
-    if not drawn:
+    panels = [(chains, "gamma"), (trees, "budget")]
+    panels = [(group, key) for group, key in panels if group]
+    if not panels:
         return None
-    _speedup_vs_gamma_axes(ax)
-    ax.legend(fontsize="small")
-    return _save(fig, path)
+    fig, axes = _figure(6.5 * len(panels), 4.0, len(panels))
+    drawn = dict.fromkeys(axes, False)
+    for ax, (group, x_key) in zip(axes, panels, strict=True):
+        for name, points in group.items():
+            xs = [p.get(x_key) for p in points]
+            for key, style in (("predicted", PREDICTED), ("measured", MEASURED)):
+                values = [p.get(f"{key}_speedup") for p in points]
+                label = f"{name} {key}"
+                drawn[ax] |= _line(ax, xs, values, color=colors[name], label=label, **style)
+        _speedup_vs_gamma_axes(ax)
+        if x_key == "budget":
+            ax.set(xlabel="tree nodes (0: plain decoding)", title="Speedup vs tree budget")
+        ax.legend(fontsize="small") if drawn[ax] else _no_data(ax)
+    return _save(fig, path) if any(drawn.values()) else None
 
 
 def _plot_context(result: dict[str, Any], path: Path) -> Path | None:

@@ -260,12 +260,19 @@ def _context_table(result: dict[str, Any]) -> str:
 
 
 def _gamma_table(result: dict[str, Any]) -> str:
+    """One row per sweep point; a tree profile's points are node budgets (its γ is the
+    tree's depth), so tree sweeps add a "tree nodes" column."""
+    raw = as_dict(result.get("gamma_sweep"))
+    sweeps = {name: [as_dict(p) for p in as_list(points)] for name, points in raw.items()}
+    trees = any("budget" in p for points in sweeps.values() for p in points)
     rows = []
-    for name, points in as_dict(result.get("gamma_sweep")).items():
-        for p in map(as_dict, as_list(points)):
+    for name, points in sweeps.items():
+        for p in points:
             speedups = [times(p.get(f"{key}_speedup")) for key in ("predicted", "measured")]
-            rows.append([name, p.get("gamma"), *speedups])
-    return _table(["method", GAMMA, "predicted", "measured"], rows, labels=2)
+            budget = [p.get("budget")] if trees else []
+            rows.append([name, *budget, p.get("gamma"), *speedups])
+    header = ["method", *(["tree nodes"] if trees else []), GAMMA, "predicted", "measured"]
+    return _table(header, rows, labels=len(header) - 2)
 
 
 def _cost_table(result: dict[str, Any]) -> str:

@@ -290,6 +290,31 @@ def test_sweep_tables(result: dict[str, Any], tmp_path: Path) -> None:
     assert table_row(cost, "4") == ["4", "25.00", "1.25"]
 
 
+def test_tree_sweeps_are_shown_by_node_budget(result: dict[str, Any], tmp_path: Path) -> None:
+    # a tree profile sweeps node budgets; its γ is the tree's depth, which repeats
+    result["gamma_sweep"]["mtp-tree"] = [
+        {"budget": b, "gamma": d, "predicted_speedup": p, "measured_speedup": m}
+        for b, d, p, m in (
+            (0, 0, 1.0, 1.0),
+            (1, 1, 1.2, 1.22),
+            (4, 1, 1.05, 1.01),
+            (8, 3, 0.9, 0.8),
+        )
+    ]
+    paths = write_report(result, tmp_path)
+    gamma = section((tmp_path / "report.md").read_text(), "Speedup vs γ")
+    assert table_rows(gamma)[0] == ["method", "tree nodes", "γ", "predicted", "measured"]
+    assert [row for row in table_rows(gamma) if row[0] == "mtp-tree"][1:3] == [
+        ["mtp-tree", "1", "1", "1.20x", "1.22x"],
+        ["mtp-tree", "4", "1", "1.05x", "1.01x"],
+    ]
+    assert table_row(gamma, "mtp")[1:] == ["-", "1", "1.10x", "1.05x"]
+    (plot,) = [p for p in paths if p.name == "speedup_vs_gamma.png"]
+    from matplotlib.image import imread
+
+    assert imread(plot).shape[1] > 1.8 * imread(plot).shape[0]  # two panels side by side
+
+
 def test_minimal_result_omits_missing_sections(tmp_path: Path) -> None:
     bare = {"tokens_per_s": None, "speedup": None, "mean_accepted_tokens": None}
     result = {"methods": {"ar": dict(bare), "mtp": dict(bare)}, "config": {}}
