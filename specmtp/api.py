@@ -19,7 +19,13 @@ from specmtp.draft_model import (
     load_draft,
     shipped_drafts_dir,
 )
-from specmtp.drafters import Drafter, DraftModelDrafter, MTPDrafter, NgramDrafter
+from specmtp.drafters import (
+    Drafter,
+    DraftModelDrafter,
+    LookupFirstDrafter,
+    MTPDrafter,
+    NgramDrafter,
+)
 from specmtp.errors import SpecMTPError
 from specmtp.heads import load_heads, shipped_heads_dir
 from specmtp.kernels import apply_kernel_plan, tuned_linear_enabled, use_tuned_linear
@@ -46,12 +52,15 @@ def build_drafter(
     `mtp-tree:HEADS_DIR` (a tree, from the heads' tree.json) or `mtp-tree:TREE.json` (a
     custom tree on the shipped heads); `general`, `distilled`, `distilled-mtp` (drafts shipped
     for the default model; `distilled-mtp-ar` drafts with its LM head alone) or
-    `draft:DIR` / `draft-ar:DIR` (one made by `specmtp distill`); otherwise a model spec
-    as for the target. A Drafter object is used as is.
+    `draft:DIR` / `draft-ar:DIR` (one made by `specmtp distill`); `ngram+SPEC` or
+    `ngram:N+SPEC` (prompt lookup when the context's last 2..N tokens occurred before, SPEC
+    otherwise); otherwise a model spec as for the target. A Drafter object is used as is.
     """
     target_vocab = usable_vocab_size(target, target)
     if spec is None or not isinstance(spec, str):
         return spec, target_vocab
+    if spec.startswith("ngram") and "+" in spec:
+        return build_lookup_first_drafter(spec, target, dtype=dtype)
     method, _, argument = spec.partition(":")
     if method in ("mtp", "mtp-tree"):
         return build_mtp_drafter(
@@ -70,6 +79,22 @@ def build_drafter(
     )
     vocab = usable_vocab_size(target, draft)
     return DraftModelDrafter(draft.model, vocab_size=vocab, name=spec), vocab
+
+
+def build_lookup_first_drafter(
+    spec: str, target: LoadedModel, *, dtype: torch.dtype
+) -> tuple[LookupFirstDrafter, int]:
+    """`ngram+SPEC` / `ngram:N+SPEC`: prompt lookup over matches of 2..N tokens (N = 3 by
+    default), the drafter SPEC when there is none."""
+    lookup, _, rest = spec.partition("+")
+    size = lookup.partition(":")[2] or "3"
+    if lookup not in ("ngram", f"ngram:{size}") or not size.isdigit() or int(size) < 2:
+        raise SpecMTPError(f"bad draft spec {spec!r}: use ngram+SPEC or ngram:N+SPEC, N >= 2")
+    if not rest or rest.startswith("ngram"):
+        raise SpecMTPError(f"bad draft spec {spec!r}: after ngram+ name a model drafter")
+    fallback, vocab = build_drafter(rest, target, dtype=dtype)
+    assert fallback is not None  # rest is a non-empty spec
+    return LookupFirstDrafter(fallback, max_ngram=int(size)), vocab
 
 
 def build_small_drafter(spec: str, target: LoadedModel) -> DraftModelDrafter:

@@ -135,6 +135,53 @@ class NgramDrafter(NoMemory):
         pass
 
 
+class LookupFirstDrafter:
+    """Prompt lookup first, a model drafter otherwise: each round drafts what followed the
+    latest earlier occurrence of the context's last n >= 2 tokens when there is one (copied
+    text: quotes, code, summaries of the prompt), and asks `fallback` (MTP heads, a draft
+    model) when there is none. The fallback observes every round, so its caches and hidden
+    states stay in step with the committed context even in rounds it did not draft.
+    """
+
+    def __init__(self, fallback: Drafter, *, max_ngram: int = 3, min_ngram: int = 2) -> None:
+        self.lookup = NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+        self.fallback = fallback
+        self.name = f"ngram+{fallback.name}"
+        self.needs_target_hidden = fallback.needs_target_hidden
+        self.lookup_rounds = 0  # rounds drafted by lookup, and by the fallback
+        self.fallback_rounds = 0
+
+    def reset(self) -> None:
+        self.lookup.reset()
+        self.fallback.reset()
+
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        found = self.lookup.propose(context, k, sampling, generator)
+        if found.tokens.shape[1] > 0:
+            self.lookup_rounds += 1
+            return found
+        self.fallback_rounds += 1
+        return self.fallback.propose(context, k, sampling, generator)
+
+    def observe(self, outcome: Outcome) -> None:
+        self.fallback.observe(outcome)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return self.fallback.weight_tensors()
+
+    def kv_bytes(self) -> int:
+        return self.fallback.kv_bytes()
+
+    def kv_bytes_per_token(self) -> int:
+        return self.fallback.kv_bytes_per_token()
+
+
 class DraftModelDrafter:
     """A small causal LM with the target's tokenizer drafts k tokens autoregressively,
     keeping its own KV cache. Its cache holds `fed`, the ids it has seen; after each

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 
 from specmtp import decode
 from specmtp.config import SamplingConfig
-from specmtp.drafters import Drafter, DraftModelDrafter, NgramDrafter
+from specmtp.drafters import Drafter, DraftModelDrafter, LookupFirstDrafter, NgramDrafter
 from specmtp.verification import Verdict, verify_rejection_sampling
 
 Verify = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Generator], Verdict]
@@ -281,7 +281,11 @@ class VerifySpy:
 
 
 def make_drafter(kind: str, draft: PreTrainedModel) -> Drafter:
-    return DraftModelDrafter(draft, vocab_size=TINY_V) if kind == "model" else NgramDrafter()
+    if kind == "ngram":
+        return NgramDrafter()
+    model = DraftModelDrafter(draft, vocab_size=TINY_V)
+    # lookup-first: rounds drafted by lookup (one-hot q) and by the model (its q) mix
+    return LookupFirstDrafter(model) if kind == "lookup+model" else model
 
 
 @pytest.mark.parametrize(
@@ -289,6 +293,7 @@ def make_drafter(kind: str, draft: PreTrainedModel) -> Drafter:
     [
         ("model", "t1.0"),
         ("ngram", "t1.0"),
+        ("lookup+model", "t1.0"),
         pytest.param("model", "t0.7", marks=pytest.mark.slow),
         pytest.param("model", "t1.0-topk3", marks=pytest.mark.slow),
         pytest.param("model", "t1.0-topp0.8", marks=pytest.mark.slow),
@@ -305,7 +310,11 @@ def test_decoder_emits_the_target_joint(
     target, draft = tiny_models
     spy = VerifySpy(verify_rejection_sampling)
     monkeypatch.setattr(decode, "verify_rejection_sampling", spy)
-    counts = decoder_counts(target, make_drafter(drafter, draft), SAMPLINGS[sampling], LOOP_SAMPLES)
+    drafting = make_drafter(drafter, draft)
+    counts = decoder_counts(target, drafting, SAMPLINGS[sampling], LOOP_SAMPLES)
+    if isinstance(drafting, LookupFirstDrafter):  # both kinds of round ran
+        assert drafting.lookup_rounds > 0.1 * spy.drafting_rounds, vars(drafting)
+        assert drafting.fallback_rounds > 0.1 * spy.drafting_rounds, vars(drafting)
     assert spy.bonus_rounds > 0.1 * spy.drafting_rounds, vars(spy)
     assert spy.rejecting_rounds > 0.1 * spy.drafting_rounds, vars(spy)
     result = fit(counts, target_joint(target, SAMPLINGS[sampling]))
