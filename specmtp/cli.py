@@ -136,8 +136,9 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
     _add_common_flags(gen)
     gen.add_argument(
         "--draft",
-        help="draft: a model spec as for --target, or ngram[:N] "
-        "(prompt lookup); omitted: plain decoding",
+        help="draft: a model spec as for --target; ngram[:N] (prompt lookup); mtp, mtp-tree "
+        "(MTP heads); general, distilled, distilled-mtp (shipped drafts); ngram[:N]+SPEC "
+        "(lookup when it finds a match, SPEC otherwise); omitted: plain decoding",
     )
     _add_generation_flags(gen)
     gen.add_argument(
