@@ -289,6 +289,11 @@ def _add_train_mtp_command(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--kind", choices=["parallel", "sequential"], default=defaults["kind"])
     _add_precision_flags(train, defaults, "builds the data")
     train.add_argument("--cache", type=Path, help="an existing data cache with hidden states")
+    train.add_argument(
+        "--objective", choices=["tokens", "kl"], default=defaults["objective"],
+        help="tokens: cross-entropy on the target's answer tokens (default); kl: KL to the "
+        "target's own distribution of each future token (its cached top-20)",
+    )  # fmt: skip
     _add_field_flags(train, defaults, [
         ("num_heads", int), ("num_layers", int), ("draft_vocab", int), ("decay", float),
         *_TRAINING_FLAGS,

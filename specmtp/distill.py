@@ -55,7 +55,7 @@ from specmtp.draft_model import (
 )
 from specmtp.errors import SpecMTPError
 from specmtp.models import DTYPES, LoadedModel, load_model
-from specmtp.mtp_loss import decaying_weights, mtp_losses
+from specmtp.mtp_loss import decaying_weights, mtp_losses, topk_kl
 from specmtp.text_data import TextChunks, iter_text_batches, load_texts, tokenize_chunks
 from specmtp.train import (
     MetricsLog,
@@ -66,7 +66,6 @@ from specmtp.train import (
 )
 
 OBJECTIVES = ("distill", "text")
-_TINY = 1e-6  # floor for probabilities that enter a log
 
 
 @dataclass(frozen=True)
@@ -311,22 +310,11 @@ def draft_losses(
 def _kl_loss(
     draft: DraftLM, batch: DistillBatch, log_q: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """KL(p || q) over the partition {each cached top-k token the draft can emit, the rest},
-    averaged over positions: a true divergence (>= 0, zero iff q matches p on it) and a
-    lower bound of the full KL, computed from k cached values instead of V."""
+    """KL(p || q) to the target's cached top-k at every position (mtp_loss.topk_kl)."""
     assert batch.topk_values is not None and batch.topk_indices is not None
     rows = batch.attention_mask  # [B, T]: every real position, prompt and answer
-    log_p = batch.topk_values[rows].float()  # [M, k]
     ids = draft.projection.to_draft_ids(batch.topk_indices[rows])  # [M, k], -1 outside
-    inside = ids >= 0
-    picked = log_q[rows].gather(-1, ids.clamp_min(0))  # [M, k]
-    p = torch.where(inside, log_p.exp(), torch.zeros_like(log_p))
-    q = torch.where(inside, picked.exp(), torch.zeros_like(picked))
-    terms = torch.where(inside, p * (log_p - picked), torch.zeros_like(p)).sum(-1)  # [M]
-    p_rest = (1 - p.sum(-1)).clamp_min(0)
-    q_rest = (1 - q.sum(-1)).clamp_min(_TINY)
-    rest = torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(_TINY).log() - q_rest.log()), 0)
-    loss = (terms + rest).mean()
+    loss = topk_kl(log_q[rows], batch.topk_values[rows], ids)
     # Position t predicts x_{t+1}: score the positions whose next token is an answer token.
     predicts_answer = torch.zeros_like(batch.loss_mask)
     predicts_answer[:, :-1] = batch.loss_mask[:, 1:]

@@ -14,7 +14,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,8 @@ from specmtp.mtp_loss import RANKS, decaying_weights, mtp_losses
 from specmtp.tree import TREE_FILE, best_tree
 
 WARMUP_STEPS = 50
+HEAD_OBJECTIVES = ("tokens", "kl")
+KL_TOPK = 20  # target log-probabilities cached per position when --objective kl builds data
 # Nodes of the token tree written beside the heads: on a CPU, verifying 16 tokens costs
 # about 1.8x a one-token step for the default model, so wider trees stop paying.
 TREE_BUDGET = 16
@@ -71,6 +73,9 @@ class TrainConfig:
     dtype: str = "float32"  # the target's dtype while it builds (and must match) the data
     cache: Path | None = None  # an existing data cache with hidden states (else out/data)
     mixed_precision: str = "no"  # "bf16": autocast matmuls; heads stay float32
+    # "tokens": cross-entropy on the target's answer tokens; "kl": KL to the target's own
+    # distribution of each future token (its cached top-k, so the data needs topk > 0)
+    objective: str = "tokens"
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -81,6 +86,10 @@ class TrainConfig:
                 raise SpecMTPError(f"{name.replace('_', '-')} must be >= 1")
         if self.draft_vocab < 0 or not 0 < self.decay <= 1 or self.lr <= 0:
             raise SpecMTPError("need draft-vocab >= 0, decay in (0, 1] and lr > 0")
+        if self.objective not in HEAD_OBJECTIVES:
+            raise SpecMTPError(
+                f"objective must be one of {list(HEAD_OBJECTIVES)}, got {self.objective!r}"
+            )
         if self.dtype not in DTYPES or self.mixed_precision not in ("no", "bf16"):
             raise SpecMTPError(
                 f"dtype must be one of {list(DTYPES)} and mixed-precision 'no' or 'bf16'"
@@ -127,8 +136,9 @@ def train_mtp(config: TrainConfig) -> TrainReport:
         set_lr(optimizer, config, step)
         with bf16_autocast(accelerator, config.mixed_precision):
             losses = mtp_losses(
-                plain, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights
-            )
+                plain, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights,
+                target_topk=target_topk(batch, config),
+            )  # fmt: skip
         optimizer.zero_grad()
         accelerator.backward(losses.loss)
         accelerator.clip_grad_norm_(trainable, 1.0)
@@ -171,11 +181,17 @@ def _data_cache(config: TrainConfig, target: LoadedModel) -> DistillCache:
         cache = DistillCache.open(config.cache, model=target)
         if not cache.has_hidden:
             raise SpecMTPError(f"cache {config.cache} holds no hidden states; heads need them")
+        if config.objective == "kl" and not cache.topk:
+            raise SpecMTPError(
+                f"cache {config.cache} holds no top-k log-probabilities; --objective kl needs them"
+            )
         return cache
     prompts = load_train_prompts(
         config.sources, limit_per_source=config.limit_per_source, seed=config.seed
     )
     data_config = DistillConfig(**{**asdict(config.data), "max_new_tokens": config.max_new_tokens})
+    if config.objective == "kl" and not data_config.topk:
+        data_config = replace(data_config, topk=KL_TOPK)
     return build_cache(
         target, prompts, config.out / "data", config=data_config,
         sources=[str(s) for s in config.sources],
@@ -219,12 +235,24 @@ def run_identity(
         for k, v in asdict(config).items()
         if k not in ("out", "sources", "data", "steps", "cache")
     }
+    if config.objective == "tokens":  # the only one before there was a choice: old runs resume
+        del settings["objective"]
     return {
         "model": model_fingerprint(target),
         "data": cache.manifest["key"],
         "heads": json.loads(heads.to_json()),
         "settings": json.loads(json.dumps(settings, default=str)),
     }
+
+
+def target_topk(
+    batch: DistillBatch, config: TrainConfig
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The target's top-k (values, ids) [B, T, k] for the KL objective, else None."""
+    if config.objective != "kl":
+        return None
+    assert batch.topk_values is not None and batch.topk_indices is not None  # _data_cache
+    return batch.topk_values, batch.topk_indices
 
 
 def endless_batches(

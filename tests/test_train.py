@@ -107,3 +107,22 @@ def test_an_existing_cache_is_used_as_is_and_checked(
     model.save_pretrained(other)
     with pytest.raises(SpecMTPError, match="was built by model"):
         train_mtp(replace(reused, target=str(other), out=tmp_path / "third"))
+
+
+def test_kl_objective_caches_the_targets_top_k_and_needs_it(
+    tiny_target: Path, prompts: Path, tmp_path: Path
+) -> None:
+    kl = replace(config(tiny_target, prompts, tmp_path / "kl", steps=3), objective="kl")
+    report = train_mtp(kl)
+    assert report.steps == 3 and len(report.heldout_accuracy) == 3
+    assert '"topk": 20' in (tmp_path / "kl" / "data" / "manifest.json").read_text()
+    # The same run directory with the other objective is another run.
+    with pytest.raises(SpecMTPError, match="another run"):
+        train_mtp(replace(kl, objective="tokens", steps=4, cache=tmp_path / "kl" / "data"))
+    tokens_only = config(tiny_target, prompts, tmp_path / "tokens", steps=1)
+    train_mtp(tokens_only)  # its data cache has hidden states and no top-k
+    reuse = replace(kl, out=tmp_path / "third", cache=tmp_path / "tokens" / "data")
+    with pytest.raises(SpecMTPError, match="no top-k"):
+        train_mtp(reuse)
+    with pytest.raises(SpecMTPError, match="objective must be"):
+        replace(kl, objective="mse")
