@@ -8,12 +8,13 @@ small per-layer matrices it depends: inside the model (weights streamed from mem
 helps at 2-3 rows and hurts from 4.
 
 So a KernelPlan says, per row count, which modules use the transposed product: none
-(`plain`), the LM head only (`head`, the default for 2-8 rows) or every linear layer
-(`all`). `measure_kernel_plan` picks per row count by timing whole target forwards, the
-quantity that matters. Both kernels compute the same product; only the order of float
-additions differs, as it already does between row counts. Modules are swapped in place
-(their class, not their parameters), so plain and speculative decoding of one model use
-the same kernels and the bench stays fair. Training keeps F.linear.
+(`plain`, the default for one row), the LM head only (`head`, the default for 2-8 rows) or
+every linear layer (`all`). `measure_kernel_plan` picks per row count, one row included
+(plain decoding's step), by timing whole target forwards, the quantity that matters. Both
+kernels compute the same product; only the order of float additions differs, as it already
+does between row counts. Modules are swapped in place (their class, not their parameters),
+so plain and speculative decoding of one model use the same kernels and the bench stays
+fair. Training keeps F.linear.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ class KernelPlan:
     disabled: bool = False  # F.linear everywhere for now (see stock_kernels)
 
     def strategy(self, rows: int) -> str:
-        if self.disabled or not 2 <= rows <= MAX_ROWS:
+        if self.disabled or not 1 <= rows <= MAX_ROWS:
             return "plain"
-        return self.by_rows.get(rows, "head")
+        return self.by_rows.get(rows, "plain" if rows == 1 else "head")
 
 
 def transposed_linear(
@@ -129,7 +130,7 @@ def measure_kernel_plan(
     try:
         for _ in range(repeats):
             for strategy in STRATEGIES:
-                plan.by_rows = dict.fromkeys(range(2, rows + 1), strategy)
+                plan.by_rows = dict.fromkeys(range(1, rows + 1), strategy)
                 sweeps[strategy].append(
                     measure_verify_costs(runner, prompt_ids, max_tokens=rows, repeats=1)
                 )
@@ -137,7 +138,7 @@ def measure_kernel_plan(
         plan.by_rows = saved  # an interrupted measurement leaves the plan as it was
         raise
     medians = {s: [statistics.median(t) for t in zip(*v, strict=True)] for s, v in sweeps.items()}
-    plan.by_rows = {n: min(STRATEGIES, key=lambda s: medians[s][n - 1]) for n in range(2, rows + 1)}
+    plan.by_rows = {n: min(STRATEGIES, key=lambda s: medians[s][n - 1]) for n in range(1, rows + 1)}
     return plan
 
 

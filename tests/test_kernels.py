@@ -110,11 +110,11 @@ def test_default_plan_uses_the_head_for_few_rows_only() -> None:
 
 
 def test_plan_by_rows_overrides_the_default_inside_the_range_only() -> None:
-    plan = KernelPlan({2: "all", 3: "plain", 1: "all", MAX_ROWS + 1: "all"})
-    assert plan.strategy(2) == "all"
+    plan = KernelPlan({2: "all", 3: "plain", 1: "all", 0: "all", MAX_ROWS + 1: "all"})
+    assert plan.strategy(1) == plan.strategy(2) == "all"
     assert plan.strategy(3) == "plain"
     assert plan.strategy(4) == "head"  # not named: the default
-    assert plan.strategy(1) == plan.strategy(MAX_ROWS + 1) == "plain"  # outside: always F.linear
+    assert plan.strategy(0) == plan.strategy(MAX_ROWS + 1) == "plain"  # outside: F.linear
 
 
 # --- use_tuned_linear / kernel_plan -----------------------------------------------------
@@ -279,19 +279,19 @@ def test_measure_kernel_plan_on_a_tiny_model() -> None:
     runner = CachedModel(model, vocab_size=TINY_VOCAB)
     plan = measure_kernel_plan(runner, PROMPT, repeats=1)
     assert plan is kernel_plan(model)
-    assert sorted(plan.by_rows) == list(range(2, MAX_ROWS + 1))
+    assert sorted(plan.by_rows) == list(range(1, MAX_ROWS + 1))
     assert set(plan.by_rows.values()) <= set(STRATEGIES)
     assert runner.length == 0 and runner.cache.get_seq_length() == 0
 
 
 # Seconds per forward by strategy, sweep and row count n (index n - 1). Sweeps disagree so
-# that only the median per n ranks them as intended: "all" at 2-3 rows, "head" at 4-8.
+# that only the median per n ranks them as intended: "all" at 1-3 rows, "head" at 4-8.
 # At 5 rows the minimum would pick "plain" and the mean "all".
 FAKE_TIMES = {
     "plain": [
         [1, 5, 5, 5, 0.5, 5, 5, 5],
         [1, 5, 5, 5, 9, 5, 5, 5],
-        [1, 5, 5, 5, 9, 5, 5, 5],
+        [0.2, 5, 5, 5, 9, 5, 5, 5],
     ],
     "head": [
         [1, 3, 3, 2, 1, 2, 2, 2],
@@ -299,9 +299,9 @@ FAKE_TIMES = {
         [1, 3, 9, 2, 9, 9, 2, 2],
     ],
     "all": [
-        [1, 1, 1, 4, 2, 4, 4, 4],
-        [1, 9, 1, 4, 2, 4, 4, 4],
-        [1, 1, 1, 4, 2, 4, 4, 4],
+        [0.5, 1, 1, 4, 2, 4, 4, 4],
+        [0.5, 9, 1, 4, 2, 4, 4, 4],
+        [0.5, 1, 1, 4, 2, 4, 4, 4],
     ],
 }
 
@@ -329,24 +329,24 @@ def test_measure_kernel_plan_keeps_the_median_fastest_per_row_count(
     plan = measure_kernel_plan(runner, PROMPT, repeats=3)
 
     assert plan is kernel_plan(model)
-    assert plan.by_rows == {2: "all", 3: "all"} | dict.fromkeys(range(4, 9), "head")
+    assert plan.by_rows == {1: "all", 2: "all", 3: "all"} | dict.fromkeys(range(4, 9), "head")
     # Strategies take turns sweep by sweep, each timing the whole plan once per call.
     assert [by_rows[2] for by_rows, _, _ in calls] == list(STRATEGIES) * 3
     for by_rows, max_tokens, repeats in calls:
-        assert sorted(by_rows) == list(range(2, MAX_ROWS + 1))
+        assert sorted(by_rows) == list(range(1, MAX_ROWS + 1))
         assert len(set(by_rows.values())) == 1
         assert (max_tokens, repeats) == (MAX_ROWS, 1)
     assert runner.length == 0
 
     calls.clear()
     plan = measure_kernel_plan(runner, PROMPT, max_rows=3, repeats=3)
-    assert plan.by_rows == {2: "all", 3: "all"}
+    assert plan.by_rows == {1: "all", 2: "all", 3: "all"}
     assert {max_tokens for _, max_tokens, _ in calls} == {3}
     assert plan.strategy(5) == "head"  # unmeasured row counts fall back to the default
 
     calls.clear()
     plan = measure_kernel_plan(runner, PROMPT, max_rows=50, repeats=3)
-    assert sorted(plan.by_rows) == list(range(2, MAX_ROWS + 1))  # capped at MAX_ROWS
+    assert sorted(plan.by_rows) == list(range(1, MAX_ROWS + 1))  # capped at MAX_ROWS
     assert {max_tokens for _, max_tokens, _ in calls} == {MAX_ROWS}
 
 
