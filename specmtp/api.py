@@ -278,7 +278,8 @@ AUTO_MAX_GAMMA = 8  # the adaptive schedule's largest γ when no profile gives o
 
 
 def gamma_settings(gamma: str | int, profile: Profile | None = None) -> dict[str, Any]:
-    """GenerationConfig settings for a draft-length choice: N (fixed), `auto` (adaptive,
+    """GenerationConfig settings for a draft-length choice: N (fixed), N/M (fixed, N in
+    the lookup rounds of an `ngram+SPEC` drafter and M in its model's), `auto` (adaptive,
     up to the profile's largest γ), `best` (the profile's fastest fixed γ) or `hf` (Hugging
     Face's +2 / -1 heuristic, starting at the default γ)."""
     text = str(gamma)
@@ -291,9 +292,13 @@ def gamma_settings(gamma: str | int, profile: Profile | None = None) -> dict[str
         if profile is None:
             raise SpecMTPError("gamma 'best' needs a tuning profile: run `specmtp tune` first")
         return {"schedule": "fixed", "gamma": profile.best_gamma}
-    if not text.isdigit():
-        raise SpecMTPError(f"gamma must be a number, auto, best or hf; got {text!r}")
-    return {"schedule": "fixed", "gamma": int(text)}
+    lookup, slash, model = text.partition("/")
+    if not lookup.isdigit() or (slash and not model.isdigit()):
+        raise SpecMTPError(f"gamma must be a number, N/M, auto, best or hf; got {text!r}")
+    settings: dict[str, Any] = {"schedule": "fixed", "gamma": int(lookup)}
+    if slash:
+        settings["model_gamma"] = int(model)
+    return settings
 
 
 def make_config(config: GenerationConfig | None = None, **settings: Any) -> GenerationConfig:

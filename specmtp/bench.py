@@ -150,7 +150,10 @@ class HFRunner:
 
 def _schedule_name(settings: dict[str, Any]) -> str:
     schedule = settings.get("schedule", "fixed")
-    return f"fixed:{settings['gamma']}" if schedule == "fixed" and "gamma" in settings else schedule
+    if schedule != "fixed" or "gamma" not in settings:
+        return schedule
+    model = settings.get("model_gamma")
+    return f"fixed:{settings['gamma']}" + ("" if model is None else f"/{model}")
 
 
 def build_runner(

@@ -72,10 +72,10 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _gamma_arg(text: str) -> str:
-    """--gamma: a number or a schedule name; argparse reports anything else."""
-    if text.isdigit() or text in ("auto", "best", "hf"):
+    """--gamma: a number, two (N/M) or a schedule name; argparse reports anything else."""
+    if all(part.isdigit() for part in text.split("/", 1)) or text in ("auto", "best", "hf"):
         return text
-    raise argparse.ArgumentTypeError(f"expected a number, auto, best or hf; got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected a number, N/M, auto, best or hf; got {text!r}")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -91,9 +91,10 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gamma",
         type=_gamma_arg,
-        help=f"draft tokens per round: N (default {gen.gamma}), auto (adaptive, from the "
-        "tuning profile if any), best (the profile's fastest fixed γ) or hf (Hugging Face's "
-        "+2/-1 schedule)",
+        help=f"draft tokens per round: N (default {gen.gamma}), N/M (ngram+SPEC drafters: N "
+        "in lookup rounds, M in the model's), auto (adaptive, from the tuning profile if "
+        "any; one schedule per arm of an ngram+SPEC drafter), best (the profile's fastest "
+        "fixed γ) or hf (Hugging Face's +2/-1 schedule)",
     )
     parser.add_argument(
         "--max-memory",

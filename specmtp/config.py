@@ -42,7 +42,9 @@ class GenerationConfig:
 
     `gamma` is the draft length of a fixed schedule, the starting length of the heuristic
     one (Hugging Face's +2 / -1), and the largest length the adaptive one may choose.
-    `max_memory_bytes` bounds the weights plus KV caches of target and drafter (None: no
+    `model_gamma`, for drafters with a lookup arm and a model arm (`ngram+SPEC`), is the
+    fixed or starting γ of the model's rounds, `gamma` then being the lookup's (None: the
+    same). `max_memory_bytes` bounds the weights plus KV caches of target and drafter (None: no
     bound); see SpecDecoder.
     """
 
@@ -53,6 +55,7 @@ class GenerationConfig:
     stop_on_eos: bool = True
     seed: int = 0
     schedule: str = "fixed"
+    model_gamma: int | None = None
     max_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
@@ -66,5 +69,7 @@ class GenerationConfig:
             raise SpecMTPError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.gamma < 1:
             raise SpecMTPError(f"gamma must be >= 1, got {self.gamma}")
+        if self.model_gamma is not None and self.model_gamma < 1:
+            raise SpecMTPError(f"the model rounds' gamma must be >= 1, got {self.model_gamma}")
         if any(not s for s in self.stop_strings):
             raise SpecMTPError("stop strings must not be empty")

@@ -17,7 +17,15 @@ from transformers import PreTrainedModel
 from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors, tensor_bytes
 from specmtp.config import GenerationConfig
 from specmtp.costmodel import CostModel, measure_verify_costs
-from specmtp.drafters import Drafter, Outcome, Proposal, empty_proposal
+from specmtp.drafters import (
+    LOOKUP_ARM,
+    MODEL_ARM,
+    Drafter,
+    Outcome,
+    Proposal,
+    drafter_arm,
+    empty_proposal,
+)
 from specmtp.errors import SpecMTPError
 from specmtp.sampling import logits_to_probs
 from specmtp.schedule import AdaptiveGamma, FixedGamma, HeuristicGamma, RoundRecord, Schedule
@@ -84,9 +92,10 @@ class SpecDecoder:
         self, prompt_ids: Sequence[int], config: GenerationConfig, stats: GenerationStats
     ) -> Iterator[list[int]]:
         """Yield the tokens committed by each round, with every stop already applied."""
-        self._check_prompt(prompt_ids, config)
+        self._check_request(prompt_ids, config)
         max_positions = self._max_positions(len(prompt_ids), config)
-        schedule = self._schedule(prompt_ids, config)
+        cost = self._adaptive_cost(prompt_ids, config)  # before the prefill: it runs the target
+        schedules: dict[str, Schedule] = {}  # one per drafter arm (drafters.drafter_arm)
         start = time.perf_counter()
         device = self.target.device
         generator = torch.Generator(device=device).manual_seed(config.seed)
@@ -96,6 +105,10 @@ class SpecDecoder:
         generated: list[int] = []
         while not stats.finish_reason:
             limit = self._draft_limit(context.shape[1], len(generated), config, max_positions)
+            arm = drafter_arm(self.drafter, context) if self.drafter is not None else ""
+            if arm not in schedules:
+                schedules[arm] = self._schedule(config, arm, cost)
+            schedule = schedules[arm]
             k = schedule.next_gamma(limit) if limit > 0 else 0
             proposal, draft_s = self._draft(context, k, config, generator, max_positions)
             verdict, verify_s = self._verify(context, proposal, config, generator, stats)
@@ -138,20 +151,35 @@ class SpecDecoder:
                 hidden = self.target.last_hidden  # [B, n-1, H]
                 self.drafter.observe(Outcome(context, 0, hidden, verified=hidden.shape[1]))
 
-    def _schedule(self, prompt_ids: Sequence[int], config: GenerationConfig) -> Schedule:
+    def _adaptive_cost(
+        self, prompt_ids: Sequence[int], config: GenerationConfig
+    ) -> CostModel | None:
+        if config.schedule != "adaptive" or self.drafter is None:
+            return None
+        top = max(config.gamma, config.model_gamma or 0)
+        return self.cost_model(prompt_ids, top, fresh=config.sampling.greedy)
+
+    def _schedule(self, config: GenerationConfig, arm: str, cost: CostModel | None) -> Schedule:
+        """The schedule of one drafter arm. The model arm of a lookup-first drafter starts
+        from `model_gamma`; the lookup arm, whose drafts cost next to nothing, learns its own
+        draft cost rather than take the model drafter's."""
+        gamma = config.gamma
+        if arm == MODEL_ARM and config.model_gamma is not None:
+            gamma = config.model_gamma
         if config.schedule == "heuristic":
-            return HeuristicGamma(config.gamma)
-        if config.schedule == "adaptive" and self.drafter is not None:
-            cost = self.cost_model(prompt_ids, config.gamma, fresh=config.sampling.greedy)
+            return HeuristicGamma(gamma)
+        if cost is not None:
+            if arm == LOOKUP_ARM:
+                cost = replace(cost, draft_fixed_s=0.0, draft_per_token_s=0.0)
             # Sampling: γ must not depend on wall-clock timings, or a seed would not fix
             # the output (γ decides how the generator's numbers are used).
             return AdaptiveGamma(
                 cost,
-                max_gamma=config.gamma,
+                max_gamma=gamma,
                 prior=self.prior_alphas,
                 timing_feedback=config.sampling.greedy,
             )
-        return FixedGamma(config.gamma)
+        return FixedGamma(gamma)
 
     def cost_model(self, prompt_ids: Sequence[int], gamma: int, *, fresh: bool = True) -> CostModel:
         """T(n) measured in this process (once; kernels and load differ between processes)
@@ -175,7 +203,11 @@ class SpecDecoder:
             return measured
         return replace(given, verify_s=measured.verify_s)
 
-    def _check_prompt(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
+    def _check_request(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
+        if config.model_gamma is not None and getattr(self.drafter, "next_arm", None) is None:
+            raise SpecMTPError(
+                "a second gamma (for the model's rounds) needs an ngram+SPEC drafter"
+            )
         if len(prompt_ids) == 0:
             raise SpecMTPError("the prompt is empty")
         if len(prompt_ids) >= self.context_length:

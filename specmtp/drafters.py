@@ -85,6 +85,9 @@ class Drafter(Protocol):
 
     def kv_bytes_per_token(self) -> int: ...
 
+    # Optional, for drafters with several sources: `next_arm(context) -> str`, the source
+    # that drafts the coming round (see drafter_arm).
+
 
 class NoMemory:
     """For drafters that hold no weights or cache of their own."""
@@ -121,18 +124,35 @@ class NgramDrafter(NoMemory):
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> Proposal:
-        ids = context[0]  # batch 1: lookup is per sequence
+        start = self.match(context[0])  # batch 1: lookup is per sequence
+        if start is None or k == 0:
+            return empty_proposal(context.shape[0], context.device)
+        return Proposal(context[:, start : start + k].clone(), None)
+
+    def match(self, ids: torch.Tensor) -> int | None:
+        """Where the tokens after the latest earlier occurrence of the longest matching
+        suffix (max_ngram down to min_ngram tokens) start in `ids` [L]; None if none."""
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
             windows = ids[:-1].unfold(0, n, 1)  # [L-n, n]: earlier windows, the suffix excluded
             hits = (windows == ids[-n:]).all(-1).nonzero().flatten()
-            for start in reversed(hits.tolist()):  # most recent first
-                follow = ids[start + n : start + n + k]
-                if len(follow):
-                    return Proposal(follow[None].clone(), None)
-        return empty_proposal(context.shape[0], context.device)
+            if len(hits):  # the latest; something follows it, as the suffix is excluded
+                return int(hits[-1]) + n
+        return None
 
     def observe(self, outcome: Outcome) -> None:
         pass
+
+
+LOOKUP_ARM = "lookup"  # the arms of a LookupFirstDrafter (see drafter_arm)
+MODEL_ARM = "model"
+
+
+def drafter_arm(drafter: Drafter, context: torch.Tensor) -> str:
+    """Which of its sources drafts the coming round, for drafters with several (an optional
+    `next_arm(context)`); "" for the others. The decoder keeps one γ schedule per arm: a
+    lookup hit is worth a long draft, a model's guess a short one."""
+    next_arm = getattr(drafter, "next_arm", None)
+    return "" if next_arm is None else next_arm(context)
 
 
 class LookupFirstDrafter:
@@ -141,6 +161,7 @@ class LookupFirstDrafter:
     text: quotes, code, summaries of the prompt), and asks `fallback` (MTP heads, a draft
     model) when there is none. The fallback observes every round, so its caches and hidden
     states stay in step with the committed context even in rounds it did not draft.
+    Its two arms, LOOKUP_ARM and MODEL_ARM, get a γ schedule each (see drafter_arm).
     """
 
     def __init__(self, fallback: Drafter, *, max_ngram: int = 3, min_ngram: int = 2) -> None:
@@ -162,12 +183,14 @@ class LookupFirstDrafter:
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> Proposal:
-        found = self.lookup.propose(context, k, sampling, generator)
-        if found.tokens.shape[1] > 0:
+        if self.next_arm(context) == LOOKUP_ARM:
             self.lookup_rounds += 1
-            return found
+            return self.lookup.propose(context, k, sampling, generator)
         self.fallback_rounds += 1
         return self.fallback.propose(context, k, sampling, generator)
+
+    def next_arm(self, context: torch.Tensor) -> str:
+        return MODEL_ARM if self.lookup.match(context[0]) is None else LOOKUP_ARM
 
     def observe(self, outcome: Outcome) -> None:
         self.fallback.observe(outcome)

@@ -275,7 +275,7 @@ def test_bad_prompt_files(
         (["--draft", "hf-prompt-lookup:x"], "bad 'hf-prompt-lookup:x'"),
         (["--draft", "hf-prompt-lookup@auto"], "fixed γ >= 1"),
         (["--draft", "hf-beam"], "unknown hugging face method"),
-        (["--draft", "ngram@zz"], "gamma must be a number, auto, best or hf"),
+        (["--draft", "ngram@zz"], "gamma must be a number, N/M, auto, best or hf"),
         (["--draft", "ngram:0"], "bad n-gram draft spec"),
         (["--gamma", "0"], "gamma must be >= 1"),
         (["--draft", "ar"], "each method must be named once"),
@@ -295,7 +295,7 @@ def test_bad_gamma_is_an_argument_error(capfd: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--prompts", "random:1x8", "--gamma", "x"])
     assert exit_info.value.code == 2
-    assert "expected a number, auto, best or hf" in capfd.readouterr().err
+    assert "expected a number, N/M, auto, best or hf" in capfd.readouterr().err
 
 
 def test_best_gamma_needs_a_profile(

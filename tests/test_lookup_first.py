@@ -9,10 +9,13 @@ from conftest import TINY_VOCAB, hf_greedy, perturbed_copy, tiny_model
 from test_decode_tree import TREE
 from test_mtp_drafter import PROMPT, trained_heads
 
-from specmtp.api import build_drafter
+from specmtp.api import build_drafter, gamma_settings
 from specmtp.config import GenerationConfig, SamplingConfig
+from specmtp.costmodel import CostModel
 from specmtp.decode import SpecDecoder
 from specmtp.drafters import (
+    LOOKUP_ARM,
+    MODEL_ARM,
     DraftModelDrafter,
     LookupFirstDrafter,
     MTPDrafter,
@@ -22,6 +25,7 @@ from specmtp.drafters import (
 )
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel
+from specmtp.schedule import AdaptiveGamma, HeuristicGamma, RoundRecord
 
 GREEDY = SamplingConfig()
 
@@ -107,3 +111,99 @@ def test_specs(default_model: LoadedModel) -> None:
     for bad in ("ngram+", "ngram:1+mtp", "ngram:x+mtp", "ngram+ngram", "ngramz+mtp"):
         with pytest.raises(SpecMTPError, match="bad draft spec"):
             build_drafter(bad, default_model)
+
+
+class ArmRecorder(LookupFirstDrafter):
+    """Records, per round, the arm that drafted, the γ it was asked and what was accepted."""
+
+    def __init__(self, fallback: SpyDrafter) -> None:
+        super().__init__(fallback)
+        self.rounds: list[list] = []  # [arm, k, accepted]
+
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        self.rounds.append([self.next_arm(context), k, None])
+        return super().propose(context, k, sampling, generator)
+
+    def observe(self, outcome: Outcome) -> None:
+        super().observe(outcome)
+        self.rounds[-1][2] = outcome.num_accepted
+
+
+def _recorded_run(config: GenerationConfig) -> tuple[ArmRecorder, list[int], list[int]]:
+    target = tiny_model("llama", seed=0)
+    drafter = ArmRecorder(SpyDrafter())  # the model arm always drafts token 42: rejected
+    decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
+    prompt = PROMPT * 3
+    result = decoder.generate(prompt, config)
+    return drafter, result.tokens, hf_greedy(target, prompt, config.max_new_tokens)
+
+
+def test_a_gamma_pair_gives_lookup_and_model_rounds_their_own_fixed_gamma() -> None:
+    drafter, tokens, reference = _recorded_run(
+        GenerationConfig(max_new_tokens=64, gamma=5, model_gamma=1)
+    )
+    assert tokens == reference
+    asked = {arm: [k for a, k, _ in drafter.rounds if a == arm] for arm in (LOOKUP_ARM, MODEL_ARM)}
+    assert asked[LOOKUP_ARM] and asked[MODEL_ARM]
+    assert set(asked[MODEL_ARM]) == {1}
+    assert asked[LOOKUP_ARM][0] == 5 and max(asked[LOOKUP_ARM]) == 5  # less only at the end
+
+
+def test_each_arm_runs_its_own_heuristic_schedule() -> None:
+    drafter, tokens, reference = _recorded_run(
+        GenerationConfig(max_new_tokens=64, gamma=2, model_gamma=3, schedule="heuristic")
+    )
+    assert tokens == reference
+    # Replay Hugging Face's +2 / -1 per arm; the last rounds may be cut by the token budget.
+    expected = {LOOKUP_ARM: HeuristicGamma(2), MODEL_ARM: HeuristicGamma(3)}
+    checked = 0
+    for arm, k, accepted in drafter.rounds[:-2]:
+        assert k == expected[arm].gamma, drafter.rounds
+        expected[arm].update(RoundRecord(k, k, accepted, k + 1, 0.0, 0.0))
+        checked += 1
+    arms = {arm for arm, _, _ in drafter.rounds[:-2]}
+    assert checked >= 6 and arms == {LOOKUP_ARM, MODEL_ARM}
+
+
+def test_adaptive_schedules_per_arm_keep_greedy_output() -> None:
+    drafter, tokens, reference = _recorded_run(
+        GenerationConfig(max_new_tokens=64, gamma=6, schedule="adaptive")
+    )
+    assert tokens == reference
+    assert {arm for arm, _, _ in drafter.rounds} == {LOOKUP_ARM, MODEL_ARM}
+
+
+def test_the_lookup_arm_learns_its_own_draft_cost() -> None:
+    target = tiny_model("llama", seed=0)
+    drafter = LookupFirstDrafter(SpyDrafter())
+    decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
+    cost = CostModel((0.04, 0.042, 0.044), draft_fixed_s=0.002, draft_per_token_s=0.005)
+    config = GenerationConfig(gamma=2, schedule="adaptive")
+    lookup = decoder._schedule(config, LOOKUP_ARM, cost)
+    model = decoder._schedule(config, MODEL_ARM, cost)
+    assert isinstance(lookup, AdaptiveGamma) and isinstance(model, AdaptiveGamma)
+    assert lookup.cost.draft_s(2) == 0 and lookup.learn_draft
+    assert model.cost.draft_s(2) == cost.draft_s(2) and not model.learn_draft
+
+
+def test_a_gamma_pair_needs_a_drafter_with_arms() -> None:
+    target = tiny_model("llama", seed=0)
+    decoder = SpecDecoder(target, drafter=NgramDrafter(), vocab_size=TINY_VOCAB, context_length=256)
+    with pytest.raises(SpecMTPError, match="needs an ngram\\+SPEC drafter"):
+        decoder.generate(PROMPT, GenerationConfig(gamma=3, model_gamma=1))
+    with pytest.raises(SpecMTPError, match="gamma must be >= 1"):
+        GenerationConfig(gamma=3, model_gamma=0)
+
+
+def test_gamma_pairs_parse() -> None:
+    assert gamma_settings("4/1") == {"schedule": "fixed", "gamma": 4, "model_gamma": 1}
+    assert gamma_settings("3") == {"schedule": "fixed", "gamma": 3}
+    for bad in ("4/", "/1", "4/x", "4/1/2"):
+        with pytest.raises(SpecMTPError, match="N/M"):
+            gamma_settings(bad)
