@@ -176,11 +176,30 @@ class MethodResult:
             "other_s": round(sum(s.other_s for s in stats), 4),
             "schedule": self.schedule,
             "requested_gammas": _merged(s.requested_gammas for s in stats),
+            "arms": arm_summary(stats),
             "per_group": self.per_group(),
         }
         if per_prompt:
             data["per_prompt"] = [r.to_dict() for r in self.runs]
         return data
+
+
+def arm_summary(stats: Sequence[GenerationStats]) -> dict[str, dict[str, Any]]:
+    """Per drafter arm (lookup-first drafters): rounds, drafted and accepted tokens, and τ
+    over that arm's rounds (a round that drafted nothing commits 1 token)."""
+    totals: dict[str, list[int]] = {}
+    for s in stats:
+        for arm, counts in s.arm_counts.items():
+            totals[arm] = [a + b for a, b in zip(totals.get(arm, [0, 0, 0]), counts, strict=True)]
+    return {
+        arm: {
+            "rounds": rounds,
+            "drafted_tokens": drafted,
+            "accepted_tokens": accepted,
+            "mean_accepted_tokens": round((accepted + rounds) / rounds, 4),
+        }
+        for arm, (rounds, drafted, accepted) in sorted(totals.items())
+    }
 
 
 def _merged(counts: Any) -> dict[str, int]:

@@ -114,6 +114,8 @@ class SpecDecoder:
             verdict, verify_s = self._verify(context, proposal, config, generator, stats)
             outcome = self._commit(context, proposal, verdict, k, stats)
             accepted = outcome.num_accepted
+            if arm:
+                stats.record_arm(arm, proposal.depth, accepted)
             schedule.update(
                 RoundRecord(k, proposal.depth, accepted, outcome.verified, draft_s, verify_s)
             )

@@ -285,6 +285,27 @@ def _cost_table(result: dict[str, Any]) -> str:
     return _table(["tokens verified n", "T(n) ms", "T(n) / T(1)"], rows)
 
 
+def _count(value: Any) -> int | None:
+    number = num(value)
+    return None if number is None else int(number)
+
+
+def _arm_table(methods: dict[str, dict[str, Any]]) -> str:
+    """Lookup-first drafters: what each arm drafted and how much of it was accepted."""
+    rows = []
+    for name, m in methods.items():
+        for arm, counts in as_dict(m.get("arms")).items():
+            c = as_dict(counts)
+            rounds, drafted, accepted = (
+                _count(c.get(key)) for key in ("rounds", "drafted_tokens", "accepted_tokens")
+            )
+            rate = accepted / drafted if drafted and accepted is not None else None
+            tau = num(c.get("mean_accepted_tokens"))
+            rows.append([name, arm, rounds, drafted, accepted, rate, tau])
+    header = ["method", "arm", "rounds", "drafted", "accepted", "accepted / drafted", "τ"]
+    return _table(header, rows, labels=2)
+
+
 def render_markdown(
     result: dict[str, Any], *, command: str | None = None, images: Collection[str] = ()
 ) -> str:
@@ -305,6 +326,7 @@ def render_markdown(
         _section("Timing", _timing_table(methods), link("time_split.png")),
         _section("Memory", _memory_table(methods)),
         _section("Acceptance", _acceptance_table(methods), link("acceptance_per_position.png")),
+        _section("Drafter arms", _arm_table(methods)),
         _section("Speedup by group", _group_table(methods), link("speedup_by_group.png")),
         _section("Schedules by group", schedules, note=schedule_note),
         _section("By temperature", _temperature_table(result)),

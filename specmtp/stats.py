@@ -47,6 +47,8 @@ class GenerationStats:
     # parent, and rounds that accepted the node. tune estimates rank probabilities from them.
     tree_reached: dict[tuple[int, int], int] = field(default_factory=dict)
     tree_accepted: dict[tuple[int, int], int] = field(default_factory=dict)
+    # Drafters with arms (lookup first, a model otherwise): arm -> [rounds, drafted, accepted]
+    arm_counts: dict[str, list[int]] = field(default_factory=dict)
     peak_kv_bytes: int = 0  # target and drafter caches together, sampled after each verify
     peak_rss_bytes: int = 0  # the process's resident memory, sampled after each verify
     first_token_s: float = 0.0  # time to the first committed new token (TTFT)
@@ -87,6 +89,13 @@ class GenerationStats:
             # The drafter stopped short (n-gram lookup found nothing more): for the cost
             # model, a position asked for and not drafted is a position rejected.
             self.position_reached[drafted] += 1
+
+    def record_arm(self, arm: str, drafted: int, accepted: int) -> None:
+        """A round of the drafter arm `arm` (rounds that drafted nothing count too)."""
+        counts = self.arm_counts.setdefault(arm, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += drafted
+        counts[2] += accepted
 
     def record_tree(self, paths: Sequence[tuple[int, ...]], accepted: Sequence[int]) -> None:
         """One tree round: `paths` are the tree's nodes as child-rank paths, `accepted` the

@@ -10,6 +10,7 @@ from test_decode_tree import TREE
 from test_mtp_drafter import PROMPT, trained_heads
 
 from specmtp.api import build_drafter, gamma_settings
+from specmtp.bench_results import arm_summary
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.costmodel import CostModel
 from specmtp.decode import SpecDecoder
@@ -153,6 +154,24 @@ def test_a_gamma_pair_gives_lookup_and_model_rounds_their_own_fixed_gamma() -> N
     assert asked[LOOKUP_ARM] and asked[MODEL_ARM]
     assert set(asked[MODEL_ARM]) == {1}
     assert asked[LOOKUP_ARM][0] == 5 and max(asked[LOOKUP_ARM]) == 5  # less only at the end
+
+
+def test_stats_count_each_arms_rounds() -> None:
+    target = tiny_model("llama", seed=0)
+    drafter = ArmRecorder(SpyDrafter())
+    decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
+    stats = decoder.generate(PROMPT * 3, GenerationConfig(max_new_tokens=48, gamma=3)).stats
+    for arm in (LOOKUP_ARM, MODEL_ARM):
+        rounds = [(k, accepted) for a, k, accepted in drafter.rounds if a == arm]
+        # The last round may draft nothing (the budget is spent): counted, never proposed.
+        assert stats.arm_counts[arm][0] - len(rounds) in (0, 1)
+        assert stats.arm_counts[arm][2] == sum(accepted for _, accepted in rounds)
+    assert sum(c[0] for c in stats.arm_counts.values()) == stats.rounds
+    assert sum(c[1] for c in stats.arm_counts.values()) == stats.drafted_tokens
+    summary = arm_summary([stats, stats])
+    lookup = stats.arm_counts[LOOKUP_ARM]
+    assert summary[LOOKUP_ARM]["rounds"] == 2 * lookup[0]
+    assert summary[LOOKUP_ARM]["mean_accepted_tokens"] == round(1 + lookup[2] / lookup[0], 4)
 
 
 def test_each_arm_runs_its_own_heuristic_schedule() -> None:

@@ -455,3 +455,21 @@ def test_import_does_not_load_matplotlib() -> None:
     code = "import sys, specmtp.report; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_drafter_arms_table(result: dict[str, Any], tmp_path: Path) -> None:
+    result["methods"]["ngram"]["arms"] = {
+        "lookup": {"rounds": 10, "drafted_tokens": 40, "accepted_tokens": 30,
+                   "mean_accepted_tokens": 4.0},
+        "model": {"rounds": 20, "drafted_tokens": 20, "accepted_tokens": 5,
+                  "mean_accepted_tokens": 1.25},
+    }  # fmt: skip
+    write_report(result, tmp_path)
+    rows = table_rows(section((tmp_path / "report.md").read_text(), "Drafter arms"))
+    assert rows[2:] == [
+        ["ngram", "lookup", "10", "40", "30", "0.750", "4.00"],
+        ["ngram", "model", "20", "20", "5", "0.250", "1.25"],
+    ]
+    del result["methods"]["ngram"]["arms"]
+    write_report(result, tmp_path)
+    assert "## Drafter arms" not in (tmp_path / "report.md").read_text()
