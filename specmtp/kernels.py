@@ -1,20 +1,23 @@
 """Kernel choice for the few-row matrix products of decoding and verification on CPU.
 
 A verify pass multiplies every weight matrix by a handful of rows (γ + 1 tokens). On CPU,
-`F.linear` (x @ W^T) handles 2-8 rows badly: for SmolLM2's 49152 x 576 LM head, 2 rows
-cost twice one row (15 ms against 7), although both read the same 113 MB of weights. The
+`F.linear` (x @ W^T) handles 2-8 rows badly: for SmolLM2's 49152 x 576 LM head, 2 rows cost
+twice one row (15 ms against 7), although both read the same 113 MB of weights. The
 transposed product (W @ x^T)^T runs 2-8 rows at close to the one-row cost (5-10 ms). For the
 small per-layer matrices it depends: inside the model (weights streamed from memory) it
 helps at 2-3 rows and hurts from 4.
 
 So a KernelPlan says, per row count, which modules use the transposed product: none
-(`plain`, the default for one row), the LM head only (`head`, the default for 2-8 rows) or
-every linear layer (`all`). `measure_kernel_plan` picks per row count, one row included
-(plain decoding's step), by timing whole target forwards, the quantity that matters. Both
-kernels compute the same product; only the order of float additions differs, as it already
-does between row counts. Modules are swapped in place (their class, not their parameters),
-so plain and speculative decoding of one model use the same kernels and the bench stays
-fair. Training keeps F.linear.
+(`plain`, the default for one row), the LM head only (`head`, the default for 2-8 rows),
+every linear layer (`all`), or every layer with an odd row count padded by a copy of the
+last row (`even`). The last is for one row above all: on some of these CPUs the one-column
+product takes a slow matrix-vector path, and two rows cost less than one (one row 64 ms
+against 47 ms for the whole default model, float32, 1 thread). `measure_kernel_plan` picks
+per row count, one row included (plain decoding's step), by timing whole target forwards,
+the quantity that matters. Both kernels compute the same product; only the order of float
+additions differs, as it already does between row counts. Modules are swapped in place
+(their class, not their parameters), so plain and speculative decoding of one model use the
+same kernels and the bench stays fair. Training keeps F.linear.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from specmtp.cache import CachedModel
 from specmtp.costmodel import measure_verify_costs
 
 MAX_ROWS = 8  # more rows than this: F.linear everywhere
-STRATEGIES = ("plain", "head", "all")
+STRATEGIES = ("plain", "head", "all", "even")
 
 # Process-wide, like torch.set_num_threads: whether load_model swaps in TunedLinear.
 _ENABLED = True
@@ -62,10 +65,15 @@ class KernelPlan:
 
 
 def transposed_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, even: bool = False
 ) -> torch.Tensor:
+    """x @ W^T + b as (W @ x^T)^T; with `even`, an odd row count is padded with a copy of
+    the last row, whose product is dropped."""
     rows = x.reshape(-1, x.shape[-1])  # [M, in]
-    out = (weight @ rows.T).T  # [out, in] @ [in, M] -> [M, out]
+    m = rows.shape[0]
+    if even and m % 2:
+        rows = torch.cat([rows, rows[-1:]])  # [M+1, in]
+    out = (weight @ rows.T).T[:m]  # [out, in] @ [in, M] -> [M, out]
     out = out.contiguous() if bias is None else out + bias  # callers may .view() it
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -81,8 +89,8 @@ class TunedLinear(nn.Linear):
         training = torch.is_grad_enabled() and self.weight.requires_grad
         if not training and x.device.type == "cpu":
             strategy = self.kernel_plan.strategy(rows)
-            if strategy == "all" or (strategy == "head" and self.is_head):
-                return transposed_linear(x, self.weight, self.bias)
+            if strategy in ("all", "even") or (strategy == "head" and self.is_head):
+                return transposed_linear(x, self.weight, self.bias, even=strategy == "even")
         return F.linear(x, self.weight, self.bias)
 
 

@@ -58,9 +58,11 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     """The weights transposed_linear is called with, in order; it still computes."""
     calls: list[torch.Tensor] = []
 
-    def recording(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def recording(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, even: bool = False
+    ) -> torch.Tensor:
         calls.append(weight)
-        return transposed_linear(x, weight, bias)
+        return transposed_linear(x, weight, bias, even=even)
 
     monkeypatch.setattr(kernels, "transposed_linear", recording)
     return calls
@@ -168,9 +170,35 @@ def test_transposed_kernel_runs_for_exactly_the_planned_modules(
         with torch.no_grad():
             model(input_ids=torch.tensor([PROMPT[:rows] + [7] * (rows - len(PROMPT))]))
         planned = 2 <= rows <= MAX_ROWS
-        expected = {"plain": [], "head": [head], "all": every}[strategy] if planned else []
+        expected = {"plain": [], "head": [head], "all": every, "even": every}[strategy]
+        expected = expected if planned else []
         assert len(spy) == len(expected), (strategy, rows)
         assert {id(w) for w in spy} == {id(w) for w in expected}, (strategy, rows)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_even_pads_odd_row_counts_and_drops_the_padding(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[int] = []  # rows of the products the transposed kernel computed
+    matmul = torch.Tensor.__matmul__
+
+    def counting(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        seen.append(b.shape[-1])
+        return matmul(a, b)
+
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 8)
+    x = torch.randn(1, rows, 16)
+    with torch.no_grad():
+        want = F.linear(x, layer.weight, layer.bias)
+        monkeypatch.setattr(torch.Tensor, "__matmul__", counting)
+        got = transposed_linear(x, layer.weight, layer.bias, even=True)
+        plain = transposed_linear(x, layer.weight, layer.bias)
+    assert seen == [rows + rows % 2, rows]
+    assert got.shape == want.shape == (1, rows, 8)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(plain, want, rtol=1e-5, atol=1e-6)
 
 
 def test_no_transposed_kernel_when_training_and_gradients_match(spy: list[torch.Tensor]) -> None:
@@ -242,7 +270,7 @@ def test_tuned_logits_equal_plain_for_chains_of_1_to_8(
         for runner in (plain, tuned):
             runner.crop(past)
     # The comparison is not vacuous: the transposed kernel ran as planned.
-    per_chain = {"plain": 0, "head": 1, "all": LINEARS[arch]}[strategy]
+    per_chain = {"plain": 0, "head": 1, "all": LINEARS[arch], "even": LINEARS[arch]}[strategy]
     assert len(spy) == per_chain * (MAX_ROWS - 1)
 
 
@@ -302,6 +330,11 @@ FAKE_TIMES = {
         [0.5, 1, 1, 4, 2, 4, 4, 4],
         [0.5, 9, 1, 4, 2, 4, 4, 4],
         [0.5, 1, 1, 4, 2, 4, 4, 4],
+    ],
+    "even": [  # fastest once at 1 and 2 rows, slower by the median
+        [0.1, 0.1, 9, 9, 9, 9, 9, 9],
+        [0.9, 9, 9, 9, 9, 9, 9, 9],
+        [0.9, 9, 9, 9, 9, 9, 9, 9],
     ],
 }
 
@@ -381,7 +414,9 @@ def test_stock_kernels_turn_the_plan_off_for_a_while(monkeypatch: pytest.MonkeyP
     plan.by_rows = dict.fromkeys(range(2, 9), "all")
     calls: list[int] = []
     real = kernels.transposed_linear
-    monkeypatch.setattr(kernels, "transposed_linear", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(
+        kernels, "transposed_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
     tokens = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         with kernels.stock_kernels(model, None):
