@@ -35,6 +35,11 @@ class ScheduleRow:
         return None if self.hf_speedup is None else self.auto_speedup / self.hf_speedup
 
 
+def _is_fixed(schedule: str) -> bool:
+    """N, or N/M (lookup and model rounds of an ngram+SPEC drafter)."""
+    return all(part.isdigit() for part in schedule.split("/", 1))
+
+
 def _families(methods: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
     """drafter -> {schedule: method name}, for drafters with an adaptive run and a fixed one."""
     families: dict[str, dict[str, str]] = {}
@@ -42,9 +47,7 @@ def _families(methods: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
         drafter, at, schedule = name.rpartition("@")
         if at and not drafter.startswith("hf-"):
             families.setdefault(drafter, {})[schedule] = name
-    return {
-        d: runs for d, runs in families.items() if "auto" in runs and any(s.isdigit() for s in runs)
-    }
+    return {d: runs for d, runs in families.items() if "auto" in runs and any(map(_is_fixed, runs))}
 
 
 def _speedup(m: dict[str, Any], group: str) -> float | None:
@@ -54,7 +57,7 @@ def _speedup(m: dict[str, Any], group: str) -> float | None:
 def schedule_rows(methods: dict[str, dict[str, Any]]) -> list[ScheduleRow]:
     rows = []
     for drafter, runs in _families(methods).items():
-        fixed = [name for schedule, name in runs.items() if schedule.isdigit()]
+        fixed = [name for schedule, name in runs.items() if _is_fixed(schedule)]
         for group in [OVERALL, *groups_of(methods)]:
             speeds = {name: _speedup(methods[name], group) for name in fixed}
             known = {name: s for name, s in speeds.items() if s}

@@ -23,6 +23,9 @@ METHODS = {
     "ngram@hf": method(1.10, code=1.80, chat=0.85),
     "mtp@2": method(1.05, code=1.10, chat=1.00),
     "mtp@auto": method(1.08, code=1.00, chat=1.02),  # no heuristic run for mtp
+    "ngram+mtp@3": method(1.30, code=1.70, chat=1.00),
+    "ngram+mtp@3/1": method(1.40, code=1.60, chat=1.20),  # a γ pair is a fixed schedule
+    "ngram+mtp@auto": method(1.38, code=1.65, chat=1.19),
     "default@auto": method(0.9, code=0.9, chat=0.9),  # no fixed γ: nothing to compare
     "hf-assisted:default@4": method(0.8, code=0.8, chat=0.8),
 }
@@ -30,7 +33,10 @@ METHODS = {
 
 def test_rows_pick_the_fastest_fixed_gamma_per_group() -> None:
     rows = {(r.drafter, r.group): r for r in schedule_rows(METHODS)}
-    assert set(rows) == {(d, g) for d in ("ngram", "mtp") for g in (OVERALL, "code", "chat")}
+    drafters = ("ngram", "mtp", "ngram+mtp")
+    assert set(rows) == {(d, g) for d in drafters for g in (OVERALL, "code", "chat")}
+    assert rows[("ngram+mtp", "code")].best_fixed == "ngram+mtp@3"
+    assert rows[("ngram+mtp", "chat")].best_fixed == "ngram+mtp@3/1"
     code, chat = rows[("ngram", "code")], rows[("ngram", "chat")]
     assert (code.best_fixed, code.best_fixed_speedup) == ("ngram@3", 1.80)
     assert (chat.best_fixed, chat.best_fixed_speedup) == ("ngram@1", 1.00)
@@ -48,6 +54,8 @@ def test_summary_counts_groups() -> None:
         "ngram: adaptive within 5% of the best fixed γ in 1/2 groups, "
         "at least as fast as the heuristic in 1/2",
         "mtp: adaptive within 5% of the best fixed γ in 1/2 groups",
+        # ngram+mtp: code 1.65 / 1.70 = 0.97, chat 1.19 / 1.20 = 0.99: both within
+        "ngram+mtp: adaptive within 5% of the best fixed γ in 2/2 groups",
     ]
 
 
