@@ -32,6 +32,7 @@ from specmtp.api import SpecGenerator, eos_token_ids, gamma_settings
 from specmtp.bench_results import BASELINE, MethodResult, PromptRun, table
 from specmtp.config import GenerationConfig
 from specmtp.costmodel import CostModel, measure_verify_costs
+from specmtp.drafters import has_arms
 from specmtp.errors import SpecMTPError
 from specmtp.hf_baselines import HFGenerator, HFRun, HFSettings, hf_default_assisted
 from specmtp.kernels import (
@@ -172,7 +173,10 @@ def build_runner(
     profile = find_profile(target.spec, name, dtype=dtype) if gamma in ("auto", "best") else None
     settings = gamma_settings(gamma, profile)
     replace(base, **settings)  # a bad γ fails now, not after the baseline has run
-    return SpecRunner(SpecGenerator(target, draft=name, profile=profile), settings)
+    generator = SpecGenerator(target, draft=name, profile=profile)
+    if "model_gamma" in settings and not has_arms(generator.decoder.drafter):
+        raise SpecMTPError(f"{spec}: a γ pair N/M needs an ngram+SPEC drafter")
+    return SpecRunner(generator, settings)
 
 
 def _hf_runner(name: str, gamma: str, target: LoadedModel) -> HFRunner:

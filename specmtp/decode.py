@@ -25,6 +25,7 @@ from specmtp.drafters import (
     Proposal,
     drafter_arm,
     empty_proposal,
+    has_arms,
 )
 from specmtp.errors import SpecMTPError
 from specmtp.sampling import logits_to_probs
@@ -206,7 +207,7 @@ class SpecDecoder:
         return replace(given, verify_s=measured.verify_s)
 
     def _check_request(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
-        if config.model_gamma is not None and getattr(self.drafter, "next_arm", None) is None:
+        if config.model_gamma is not None and not has_arms(self.drafter):
             raise SpecMTPError(
                 "a second gamma (for the model's rounds) needs an ngram+SPEC drafter"
             )

@@ -147,12 +147,16 @@ LOOKUP_ARM = "lookup"  # the arms of a LookupFirstDrafter (see drafter_arm)
 MODEL_ARM = "model"
 
 
+def has_arms(drafter: Drafter | None) -> bool:
+    """Whether `drafter` drafts from several sources (has the optional `next_arm`)."""
+    return getattr(drafter, "next_arm", None) is not None
+
+
 def drafter_arm(drafter: Drafter, context: torch.Tensor) -> str:
-    """Which of its sources drafts the coming round, for drafters with several (an optional
-    `next_arm(context)`); "" for the others. The decoder keeps one γ schedule per arm: a
-    lookup hit is worth a long draft, a model's guess a short one."""
-    next_arm = getattr(drafter, "next_arm", None)
-    return "" if next_arm is None else next_arm(context)
+    """Which of its sources drafts the coming round, for drafters with several; "" for the
+    others. The decoder keeps one γ schedule per arm: a lookup hit is worth a long draft, a
+    model's guess a short one."""
+    return drafter.next_arm(context) if has_arms(drafter) else ""  # type: ignore[attr-defined]
 
 
 class LookupFirstDrafter:
@@ -171,10 +175,14 @@ class LookupFirstDrafter:
         self.needs_target_hidden = fallback.needs_target_hidden
         self.lookup_rounds = 0  # rounds drafted by lookup, and by the fallback
         self.fallback_rounds = 0
+        # The last context looked up and where its match continues: the decoder asks
+        # next_arm, then propose, with the same tensor; one lookup serves both.
+        self._looked_up: tuple[torch.Tensor | None, int | None] = (None, None)
 
     def reset(self) -> None:
         self.lookup.reset()
         self.fallback.reset()
+        self._looked_up = (None, None)
 
     def propose(
         self,
@@ -183,14 +191,20 @@ class LookupFirstDrafter:
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> Proposal:
-        if self.next_arm(context) == LOOKUP_ARM:
+        start = self._match(context)
+        if start is not None:
             self.lookup_rounds += 1
-            return self.lookup.propose(context, k, sampling, generator)
+            return Proposal(context[:, start : start + k].clone(), None)
         self.fallback_rounds += 1
         return self.fallback.propose(context, k, sampling, generator)
 
     def next_arm(self, context: torch.Tensor) -> str:
-        return MODEL_ARM if self.lookup.match(context[0]) is None else LOOKUP_ARM
+        return MODEL_ARM if self._match(context) is None else LOOKUP_ARM
+
+    def _match(self, context: torch.Tensor) -> int | None:
+        if self._looked_up[0] is not context:
+            self._looked_up = (context, self.lookup.match(context[0]))
+        return self._looked_up[1]
 
     def observe(self, outcome: Outcome) -> None:
         self.fallback.observe(outcome)

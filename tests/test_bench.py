@@ -277,6 +277,8 @@ def test_bad_prompt_files(
         (["--draft", "hf-beam"], "unknown hugging face method"),
         (["--draft", "ngram@zz"], "gamma must be a number, N/M, auto, best or hf"),
         (["--draft", "ngram:0"], "bad n-gram draft spec"),
+        (["--draft", "ngram@3/1"], "a γ pair N/M needs an ngram+SPEC drafter"),
+        (["--draft", "ngram+mtp@3/0"], "the model rounds' gamma must be >= 1"),
         (["--gamma", "0"], "gamma must be >= 1"),
         (["--draft", "ar"], "each method must be named once"),
         (["--draft", "ngram", "--draft", "ngram"], "each method must be named once"),

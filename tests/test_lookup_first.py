@@ -226,3 +226,16 @@ def test_gamma_pairs_parse() -> None:
     for bad in ("4/", "/1", "4/x", "4/1/2"):
         with pytest.raises(SpecMTPError, match="N/M"):
             gamma_settings(bad)
+
+
+def test_one_lookup_serves_next_arm_and_propose(monkeypatch: pytest.MonkeyPatch) -> None:
+    drafter = LookupFirstDrafter(SpyDrafter())
+    calls: list[int] = []
+    match = drafter.lookup.match
+    monkeypatch.setattr(drafter.lookup, "match", lambda ids: calls.append(1) or match(ids))
+    context = torch.tensor([[1, 2, 3, 7, 8, 2, 3]])
+    assert drafter.next_arm(context) == LOOKUP_ARM
+    assert drafter.propose(context, 2, GREEDY, None).tokens.tolist() == [[7, 8]]
+    assert len(calls) == 1
+    drafter.propose(context.clone(), 2, GREEDY, None)  # another tensor: looked up again
+    assert len(calls) == 2
