@@ -209,6 +209,7 @@ class SpecGenerator:
             detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
             cost_model=None if profile is None else profile.cost_model,
             prior_alphas=() if profile is None else profile.alphas,
+            arm_priors={} if profile is None else profile.arm_alphas,
         )
         self.last_stats: GenerationStats | None = None
         self.last_tokens: list[int] = []
@@ -280,8 +281,8 @@ AUTO_MAX_GAMMA = 8  # the adaptive schedule's largest γ when no profile gives o
 def gamma_settings(gamma: str | int, profile: Profile | None = None) -> dict[str, Any]:
     """GenerationConfig settings for a draft-length choice: N (fixed), N/M (fixed, N in
     the lookup rounds of an `ngram+SPEC` drafter and M in its model's), `auto` (adaptive,
-    up to the profile's largest γ), `best` (the profile's fastest fixed γ) or `hf` (Hugging
-    Face's +2 / -1 heuristic, starting at the default γ)."""
+    up to the profile's largest γ), `best` (the profile's fastest fixed γ, or γ pair) or
+    `hf` (Hugging Face's +2 / -1 heuristic, starting at the default γ)."""
     text = str(gamma)
     if text == "auto":
         top = profile.max_gamma if profile is not None else AUTO_MAX_GAMMA
@@ -291,7 +292,8 @@ def gamma_settings(gamma: str | int, profile: Profile | None = None) -> dict[str
     if text == "best":
         if profile is None:
             raise SpecMTPError("gamma 'best' needs a tuning profile: run `specmtp tune` first")
-        return {"schedule": "fixed", "gamma": profile.best_gamma}
+        best = {"schedule": "fixed", "gamma": profile.best_gamma}
+        return best if profile.model_gamma is None else {**best, "model_gamma": profile.model_gamma}
     lookup, slash, model = text.partition("/")
     if not lookup.isdigit() or (slash and not model.isdigit()):
         raise SpecMTPError(f"gamma must be a number, N/M, auto, best or hf; got {text!r}")

@@ -8,7 +8,7 @@ fed at the start of the next verify pass together with the drafts.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -67,6 +67,7 @@ class SpecDecoder:
         detokenize: Detokenize | None = None,
         cost_model: CostModel | None = None,
         prior_alphas: Sequence[float] = (),
+        arm_priors: Mapping[str, Sequence[float]] | None = None,
     ) -> None:
         self.target = CachedModel(
             target,
@@ -83,9 +84,11 @@ class SpecDecoder:
         self._cost_model = cost_model
         self._measured: CostModel | None = None
         self.prior_alphas = tuple(prior_alphas)
+        # Per drafter arm (a tuning profile's arm_alphas); other arms start from prior_alphas
+        self.arm_priors = {arm: tuple(a) for arm, a in (arm_priors or {}).items()}
 
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> GenerationResult:
-        stats = GenerationStats(gamma=config.gamma)
+        stats = GenerationStats(gamma=max(config.gamma, config.model_gamma or 0))
         tokens = [t for block in self.run(prompt_ids, config, stats) for t in block]
         return GenerationResult(tokens, stats)
 
@@ -116,7 +119,7 @@ class SpecDecoder:
             outcome = self._commit(context, proposal, verdict, k, stats)
             accepted = outcome.num_accepted
             if arm:
-                stats.record_arm(arm, proposal.depth, accepted)
+                stats.record_arm(arm, proposal.depth, accepted, k, draft_s)
             schedule.update(
                 RoundRecord(k, proposal.depth, accepted, outcome.verified, draft_s, verify_s)
             )
@@ -179,7 +182,7 @@ class SpecDecoder:
             return AdaptiveGamma(
                 cost,
                 max_gamma=gamma,
-                prior=self.prior_alphas,
+                prior=self.arm_priors.get(arm, self.prior_alphas),
                 timing_feedback=config.sampling.greedy,
             )
         return FixedGamma(gamma)

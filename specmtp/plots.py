@@ -216,6 +216,10 @@ def plot_tune(profile: dict[str, Any], path: Path) -> Path:
     """Left: predicted (dashed) and measured (solid) speedup against gamma, the best
     gamma marked; right: the acceptance alpha per draft position that the prediction used."""
     fig, (left, right) = _figure(11.0, 4.2, 2)
+    if profile.get("model_gamma") is not None:
+        _plot_pair_tune(profile, left, right)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return _save(fig, path)
     sweep = [as_dict(p) for p in as_list(profile.get("sweep"))]
     trees = bool(profile.get("tree"))  # a tree profile sweeps budgets (nodes), not γ
     xs = [p.get("budget" if trees else "gamma") for p in sweep]
@@ -251,3 +255,52 @@ def plot_tune(profile: dict[str, Any], path: Path) -> Path:
     fig.suptitle(f"target {profile.get('target', '?')}, draft {profile.get('draft', '?')}")
     path.parent.mkdir(parents=True, exist_ok=True)
     return _save(fig, path)
+
+
+def _plot_pair_tune(profile: dict[str, Any], left: Axes, right: Axes) -> None:
+    """A γ pair profile (lookup-first drafter): left, speedup against the model rounds' γ
+    (lookup γ held) and against the lookup rounds' γ (model γ held); right, α per position
+    of each arm."""
+    sweep = [as_dict(p) for p in as_list(profile.get("sweep"))][1:]
+    search = as_dict(profile.get("meta", {})).get("pair_search", {})
+    held_lookup = num(as_dict(search).get("lookup_gamma_while_model_varies"))
+    held_model = num(as_dict(search).get("model_gamma_while_lookup_varies"))
+    colors = {"model": "C0", "lookup": "C1"}  # the arms of drafters.LookupFirstDrafter
+    lines = [
+        ("model", "model_gamma", lambda p: num(p.get("gamma")) == held_lookup),
+        ("lookup", "gamma", lambda p: num(p.get("model_gamma")) == held_model),
+    ]
+    drawn = False
+    for arm, key, keep in lines:
+        color = colors[arm]
+        points = sorted((p for p in sweep if keep(p)), key=lambda p: num(p.get(key)) or 0)
+        xs = [p.get(key) for p in points]
+        for kind, style in (("predicted", PREDICTED), ("measured", MEASURED)):
+            ys = [p.get(f"{kind}_speedup") for p in points]
+            label = f"{kind}, {arm} rounds' {GAMMA}"
+            drawn |= _line(left, xs, ys, color=color, label=label, **style)
+    _speedup_vs_gamma_axes(left)
+    left.set_title(f"Speedup vs each arm's {GAMMA}, the other held")
+    best = f"{profile.get('best_gamma')}/{profile.get('model_gamma')}"
+    left.plot([], [], " ", label=f"best lookup/model {GAMMA} = {best}")
+    left.legend(fontsize="small") if drawn else _no_data(left)
+    arms = as_dict(profile.get("arm_alphas"))
+    width = 0.8 / max(1, len(arms))
+    for i, (arm, values) in enumerate(sorted(arms.items())):
+        alphas = [(j + 1 + (i - (len(arms) - 1) / 2) * width, num(a))
+                  for j, a in enumerate(as_list(values)) if num(a) is not None]  # fmt: skip
+        if alphas:
+            color = colors.get(arm, f"C{i + 2}")
+            right.bar(*zip(*alphas, strict=True), width, color=color, label=f"{arm} rounds")
+    if arms:
+        right.legend(fontsize="small")
+    else:
+        _no_data(right)
+    _integer_ticks(right)
+    right.set(
+        xlabel="draft position",
+        ylabel=f"{ALPHA} = P(accepted | earlier drafts accepted)",
+        ylim=(0, 1.1),
+    )
+    right.set_title("Acceptance per draft position, by arm")
+    left.figure.suptitle(f"target {profile.get('target', '?')}, draft {profile.get('draft', '?')}")

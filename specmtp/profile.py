@@ -1,8 +1,10 @@
 """Tuning profiles: what `specmtp tune` measured for one target, drafter and machine.
 
 `--gamma auto` (the adaptive schedule) starts from a profile's cost model and acceptance
-rates, and `--gamma best` uses its fastest fixed γ. Profiles live, by default, in
-$SPECMTP_CACHE/profiles (or ~/.cache/specmtp/profiles), one JSON file per pair.
+rates, and `--gamma best` uses its fastest fixed γ (for a lookup-first drafter, its fastest
+γ pair: one γ for the lookup rounds, one for the model's, each with its own α). Profiles
+live, by default, in $SPECMTP_CACHE/profiles (or ~/.cache/specmtp/profiles), one JSON file
+per pair.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ class Profile:
     meta: dict[str, Any] = field(default_factory=dict)
     # A tree drafter's fastest tree (child-rank paths); () for chains
     tree: tuple[tuple[int, ...], ...] = ()
+    # A drafter with arms (ngram+SPEC): best_gamma is the lookup rounds' γ, model_gamma the
+    # model rounds', and arm_alphas the α per position of each arm (drafters.drafter_arm)
+    model_gamma: int | None = None
+    arm_alphas: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.alphas or not all(0.0 <= a <= 1.0 for a in self.alphas):
@@ -49,6 +55,13 @@ class Profile:
             )
         if not all(isinstance(row, dict) for row in self.sweep):
             raise SpecMTPError("a profile's sweep must be a list of objects")
+        if self.model_gamma is not None and not 1 <= self.model_gamma <= len(self.alphas):
+            raise SpecMTPError(
+                f"model_gamma must be in 1..{len(self.alphas)}, got {self.model_gamma}"
+            )
+        for arm, alphas in self.arm_alphas.items():
+            if not all(0.0 <= a <= 1.0 for a in alphas):
+                raise SpecMTPError(f"the {arm} arm's alphas must be in [0, 1]")
         if self.tree and self.token_tree().max_depth > len(self.alphas):
             raise SpecMTPError("a profile's tree is deeper than its acceptance rates")
 
@@ -71,6 +84,8 @@ class Profile:
             "cost_model": self.cost_model.to_dict(),
             "sweep": list(self.sweep),
             "tree": [list(p) for p in self.tree],
+            "model_gamma": self.model_gamma,
+            "arm_alphas": {arm: [round(a, 4) for a in v] for arm, v in self.arm_alphas.items()},
             "meta": self.meta,
         }
 
@@ -91,6 +106,11 @@ class Profile:
                 tuple(_list(data.get("sweep", []))),
                 dict(data.get("meta", {})),
                 tuple(tuple(int(r) for r in p) for p in _list(data.get("tree", []))),
+                _optional_int(data.get("model_gamma")),
+                {
+                    str(arm): tuple(float(a) for a in _list(alphas))
+                    for arm, alphas in dict(data.get("arm_alphas") or {}).items()
+                },
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise SpecMTPError(f"{where}: not a specmtp tuning profile ({e})") from None
@@ -114,8 +134,12 @@ class Profile:
 
 def _list(value: Any) -> list[Any]:
     if not isinstance(value, list):
-        raise ValueError("sweep and tree must be lists")
+        raise ValueError("sweep, tree and alphas must be lists")
     return value
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def default_profile_path(target: str, draft: str, dtype: str = "float32") -> Path:

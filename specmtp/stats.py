@@ -49,6 +49,10 @@ class GenerationStats:
     tree_accepted: dict[tuple[int, int], int] = field(default_factory=dict)
     # Drafters with arms (lookup first, a model otherwise): arm -> [rounds, drafted, accepted]
     arm_counts: dict[str, list[int]] = field(default_factory=dict)
+    # ... and per arm, position_reached and position_accepted over that arm's rounds
+    arm_reached: dict[str, list[int]] = field(default_factory=dict)
+    arm_accepted: dict[str, list[int]] = field(default_factory=dict)
+    arm_draft_s: dict[str, float] = field(default_factory=dict)
     peak_kv_bytes: int = 0  # target and drafter caches together, sampled after each verify
     peak_rss_bytes: int = 0  # the process's resident memory, sampled after each verify
     first_token_s: float = 0.0  # time to the first committed new token (TTFT)
@@ -90,12 +94,24 @@ class GenerationStats:
             # model, a position asked for and not drafted is a position rejected.
             self.position_reached[drafted] += 1
 
-    def record_arm(self, arm: str, drafted: int, accepted: int) -> None:
-        """A round of the drafter arm `arm` (rounds that drafted nothing count too)."""
+    def record_arm(
+        self, arm: str, drafted: int, accepted: int, requested: int, draft_s: float = 0.0
+    ) -> None:
+        """A round of the drafter arm `arm` (rounds that drafted nothing count too), counted
+        per position as record_round does: a position asked for and not drafted, rejected."""
+        self.arm_draft_s[arm] = self.arm_draft_s.get(arm, 0.0) + draft_s
         counts = self.arm_counts.setdefault(arm, [0, 0, 0])
         counts[0] += 1
         counts[1] += drafted
         counts[2] += accepted
+        tried = drafted + (accepted == drafted < requested)
+        reached = self.arm_reached.setdefault(arm, [])
+        hits = self.arm_accepted.setdefault(arm, [])
+        for counts_i in (reached, hits):
+            counts_i += [0] * (tried - len(counts_i))
+        for i in range(min(tried, accepted + 1)):
+            reached[i] += 1
+            hits[i] += i < accepted
 
     def record_tree(self, paths: Sequence[tuple[int, ...]], accepted: Sequence[int]) -> None:
         """One tree round: `paths` are the tree's nodes as child-rank paths, `accepted` the

@@ -6,7 +6,9 @@ sets: a γ tuned on them would flatter the benchmark), then sweeps γ with plain
 interleaved per prompt, prints predicted and measured speedup per γ, and writes a profile
 that `--gamma auto` (the adaptive schedule) and `SPEC@best` in the bench start from.
 A tree drafter (`mtp-tree`) sweeps tree budgets instead (nodes per tree, `tune_tree.py`),
-and its profile carries the fastest tree.
+and its profile carries the fastest tree. A drafter with arms (`ngram+SPEC`: prompt lookup
+first, the model otherwise) sweeps γ pairs N/M (N for the lookup rounds, M for the model's)
+by coordinate search, and its profile carries the fastest pair and α per arm.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from specmtp.costmodel import (
     measure_verify_costs,
 )
 from specmtp.data import load_train_prompts
+from specmtp.drafters import LOOKUP_ARM, MODEL_ARM, has_arms
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import measure_kernel_plan
 from specmtp.models import DTYPES, load_model
@@ -90,6 +93,11 @@ def _generation(config: TuneConfig, gamma: int) -> GenerationConfig:
     )
 
 
+def _pair_generation(config: TuneConfig, pair: tuple[int, int]) -> GenerationConfig:
+    lookup, model = pair
+    return replace(_generation(config, max(lookup, 1)), model_gamma=max(model, 1))
+
+
 def _run(gen: SpecGenerator, ids: list[int], config: GenerationConfig) -> GenerationStats:
     return gen.decoder.generate(ids, config).stats  # stats.total_s: the generation's wall time
 
@@ -110,6 +118,105 @@ def sweep_runs(
         line = " ".join(f"{g}:{r[-1].tokens_per_s:.1f}" for g, r in runs.items())
         log(f"[{i}/{len(prompt_ids)}] tokens/s by γ {line}")
     return runs
+
+
+Pair = tuple[int, int]  # (lookup γ, model γ); (0, 0) is plain decoding
+PLAIN: Pair = (0, 0)
+
+
+def sweep_pair_runs(
+    plain: SpecGenerator,
+    spec: SpecGenerator,
+    prompt_ids: Sequence[list[int]],
+    config: TuneConfig,
+    log: Log,
+) -> dict[Pair, list[GenerationStats]]:
+    """γ pairs for a drafter with arms, by coordinate search: first the model rounds' γ
+    M = 1..max_gamma with the lookup rounds at the default γ, then the lookup rounds' γ
+    N = 1..max_gamma with M at the fastest of the first pass. Plain decoding runs with every
+    prompt of both passes, interleaved, so load changes hit every point alike."""
+    runs: dict[Pair, list[GenerationStats]] = {PLAIN: []}
+    lookup = min(GenerationConfig().gamma, config.max_gamma)
+    top = range(1, config.max_gamma + 1)
+    first = [(lookup, m) for m in top]
+    _pair_pass(plain, spec, prompt_ids, config, first, runs, log, "model γ")
+    model = max(first, key=lambda pair: _tokens_per_s(runs[pair]))[1]
+    second = [(n, model) for n in top if (n, model) not in runs]
+    _pair_pass(plain, spec, prompt_ids, config, second, runs, log, f"lookup γ (model γ {model})")
+    return runs
+
+
+def _pair_pass(
+    plain: SpecGenerator,
+    spec: SpecGenerator,
+    prompt_ids: Sequence[list[int]],
+    config: TuneConfig,
+    pairs: Sequence[Pair],
+    runs: dict[Pair, list[GenerationStats]],
+    log: Log,
+    varied: str,
+) -> None:
+    for i, ids in enumerate(prompt_ids, 1):
+        for pair in (PLAIN, *pairs):
+            gen = plain if pair == PLAIN else spec
+            config_i = _generation(config, 1) if pair == PLAIN else _pair_generation(config, pair)
+            runs.setdefault(pair, []).append(_run(gen, ids, config_i))
+        line = " ".join(f"{n}/{m}:{runs[(n, m)][-1].tokens_per_s:.1f}" for n, m in (PLAIN, *pairs))
+        log(f"[{i}/{len(prompt_ids)}] {varied}: tokens/s by N/M {line}")
+
+
+def arm_alphas(runs: Sequence[GenerationStats], max_gamma: int) -> dict[str, tuple[float, ...]]:
+    """α_i per drafter arm over every run, counts summed before dividing; positions never
+    reached get 0."""
+    alphas: dict[str, tuple[float, ...]] = {}
+    for arm in sorted({arm for s in runs for arm in s.arm_reached}):
+        reached, accepted = [0] * max_gamma, [0] * max_gamma
+        for s in runs:
+            for i, (r, a) in enumerate(zip(s.arm_reached.get(arm, []), s.arm_accepted.get(arm, []),
+                                           strict=True)):  # fmt: skip
+                if i < max_gamma:
+                    reached[i] += r
+                    accepted[i] += a
+        alphas[arm] = tuple(a or 0.0 for a in conditional_acceptance(reached, accepted))
+    return alphas
+
+
+def build_pair_profile(
+    config: TuneConfig, runs: dict[Pair, list[GenerationStats]], verify_s: tuple[float, ...]
+) -> Profile:
+    """The profile of a γ pair sweep. The draft cost model is the model arm's alone (the
+    lookup arm's drafts cost next to nothing, and the adaptive schedule learns them); the
+    prediction for a pair weighs each arm's E(γ) by its share of the rounds."""
+    drafting = {pair: rs for pair, rs in runs.items() if pair != PLAIN}
+    samples = [(m, s.arm_draft_s[MODEL_ARM] / s.arm_counts[MODEL_ARM][0])
+               for (_, m), rs in drafting.items() for s in rs
+               if s.arm_counts.get(MODEL_ARM, [0])[0]]  # fmt: skip
+    cost = CostModel(verify_s, *fit_draft_cost(samples))
+    every = [s for rs in drafting.values() for s in rs]
+    alphas, per_arm = pooled_alphas(every, config.max_gamma), arm_alphas(every, config.max_gamma)
+    plain = _tokens_per_s(runs[PLAIN])
+    sweep = [_sweep_row(runs[PLAIN], plain, 1.0, gamma=0, model_gamma=0)]
+    for (n, m), rs in drafting.items():
+        rounds = {arm: sum(s.arm_counts.get(arm, [0])[0] for s in rs) for arm in per_arm}
+        total = sum(rounds.values()) or 1
+        expected = sum(rounds[arm] / total * expected_tokens(per_arm[arm], n if arm == LOOKUP_ARM
+                       else m) for arm in per_arm)  # fmt: skip
+        row = _sweep_row(rs, plain, predicted_speedup(cost, expected, rs), gamma=n, model_gamma=m)
+        row["arm_rounds"] = rounds
+        sweep.append(row)
+    best = max(sweep[1:], key=lambda row: row["measured_speedup"])
+    meta = _meta(config, len(runs[PLAIN]) // 2)  # plain runs once per prompt and pass
+    first = [row for row in sweep[1:] if row["gamma"] == sweep[1]["gamma"]]
+    meta["pair_search"] = {
+        "lookup_gamma_while_model_varies": sweep[1]["gamma"],
+        "model_gamma_while_lookup_varies": max(first, key=lambda r: r["measured_speedup"])[
+            "model_gamma"
+        ],
+    }
+    return Profile(
+        config.target, config.draft, cost, alphas, int(best["gamma"]), tuple(sweep), meta,
+        model_gamma=int(best["model_gamma"]), arm_alphas=per_arm,
+    )  # fmt: skip
 
 
 def _tokens_per_s(runs: Sequence[GenerationStats]) -> float:
@@ -150,7 +257,7 @@ def build_profile(
         sweep.append(_sweep_row(rs, plain, predicted, gamma=gamma))
     best = max(sweep[1:], key=lambda row: row["measured_speedup"])["gamma"]
     return Profile(
-        config.target, config.draft, cost, alphas, best, tuple(sweep), _meta(config, runs[0])
+        config.target, config.draft, cost, alphas, best, tuple(sweep), _meta(config, len(runs[0]))
     )
 
 
@@ -178,7 +285,7 @@ def build_tree_profile(
         sweep.append(row)
     best = max(sweep[1:], key=lambda row: row["measured_speedup"])
     alphas = tuple(row[0] if row else 0.0 for row in rank_probs)
-    meta = _meta(config, runs[0])
+    meta = _meta(config, len(runs[0]))
     meta["rank_probabilities"] = [[round(p, 4) for p in row] for row in rank_probs]
     return Profile(
         config.target, config.draft, cost, alphas, int(best["gamma"]), tuple(sweep), meta,
@@ -200,14 +307,14 @@ def _sweep_row(
     return row
 
 
-def _meta(config: TuneConfig, plain_runs: Sequence[GenerationStats]) -> dict[str, Any]:
+def _meta(config: TuneConfig, num_prompts: int) -> dict[str, Any]:
     return {
         "machine": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "prompts": [str(p) for p in config.prompts],
-        "num_prompts": len(plain_runs),
+        "num_prompts": num_prompts,
         "max_new_tokens": config.max_new_tokens,
         "temperature": config.temperature,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -227,7 +334,11 @@ def run_tune(config: TuneConfig, *, log: Log) -> Profile:
     for gen in (plain, spec):
         gen.decoder.generate(prompt_ids[0], warmup)
     tree = getattr(spec.decoder.drafter, "tree", None)
-    if tree is None:
+    if has_arms(spec.decoder.drafter):
+        pairs = sweep_pair_runs(plain, spec, prompt_ids, config, log)
+        verify_s = _verify_costs(spec, prompt_ids, pairs, config, log)
+        profile = build_pair_profile(config, pairs, verify_s)
+    elif tree is None:
         runs = sweep_runs(plain, spec, prompt_ids, config, log)
         profile = build_profile(config, runs, _verify_costs(spec, prompt_ids, runs, config, log))
     else:
@@ -255,7 +366,7 @@ def run_tune(config: TuneConfig, *, log: Log) -> Profile:
 def _verify_costs(
     spec: SpecGenerator,
     prompt_ids: Sequence[list[int]],
-    runs: dict[int, list[GenerationStats]],
+    runs: dict[Any, list[GenerationStats]],
     config: TuneConfig,
     log: Log,
 ) -> tuple[float, ...]:
@@ -268,6 +379,8 @@ def _verify_costs(
 
 def sweep_table(profile: Profile) -> str:
     trees = bool(profile.tree)  # a tree profile: one row per budget (nodes)
+    if profile.model_gamma is not None:
+        return _pair_table(profile)
     head = "nodes  depth" if trees else "  γ"
     rows = [f"{head}  predicted  measured  tokens/s     τ", "-" * (40 + 8 * trees)]
     for row in profile.sweep:
@@ -283,4 +396,20 @@ def sweep_table(profile: Profile) -> str:
                     f"{[list(p) for p in profile.tree]}; top-1 α by depth: {alphas}")  # fmt: skip
     else:
         rows.append(f"best γ {profile.best_gamma}; α by position: {alphas}")
+    return "\n".join(rows)
+
+
+def _pair_table(profile: Profile) -> str:
+    """A γ pair sweep: N/M, lookup rounds' γ over the model rounds'."""
+    rows = ["N/M    predicted  measured  tokens/s     τ", "-" * 42]
+    for row in profile.sweep:
+        tau = row.get("mean_accepted_tokens")
+        pair = f"{row['gamma']}/{row['model_gamma']}"
+        rows.append(
+            f"{pair:<5}  {row['predicted_speedup']:8.2f}x  {row['measured_speedup']:7.2f}x"
+            f"  {row['tokens_per_s']:8.1f}  {'-' if tau is None else f'{tau:4.2f}':>4}"
+        )
+    for arm, alphas in profile.arm_alphas.items():
+        rows.append(f"α by position, {arm} rounds: {' '.join(f'{a:.2f}' for a in alphas)}")
+    rows.append(f"best γ pair {profile.best_gamma}/{profile.model_gamma} (lookup/model)")
     return "\n".join(rows)
