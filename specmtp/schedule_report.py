@@ -57,7 +57,12 @@ def _speedup(m: dict[str, Any], group: str) -> float | None:
 def schedule_rows(methods: dict[str, dict[str, Any]]) -> list[ScheduleRow]:
     rows = []
     for drafter, runs in _families(methods).items():
-        fixed = [name for schedule, name in runs.items() if _is_fixed(schedule)]
+        fixed = [
+            name
+            for schedule, name in runs.items()
+            # `best` runs the tuning profile's fixed γ (or pair); the result records which
+            if _is_fixed(schedule) or str(methods[name].get("schedule", "")).startswith("fixed")
+        ]
         for group in [OVERALL, *groups_of(methods)]:
             speeds = {name: _speedup(methods[name], group) for name in fixed}
             known = {name: s for name, s in speeds.items() if s}

@@ -47,6 +47,17 @@ def test_rows_pick_the_fastest_fixed_gamma_per_group() -> None:
     assert rows[("mtp", "code")].hf_speedup is None and rows[("mtp", "code")].auto_vs_hf is None
 
 
+def test_best_counts_as_fixed_by_its_recorded_schedule() -> None:
+    """`DRAFT@best` is the tuning profile's fixed γ (or pair): the result says so."""
+    best = method(1.45, code=1.62, chat=1.30) | {"schedule": "fixed:2/2"}
+    rows = {(r.drafter, r.group): r for r in schedule_rows({**METHODS, "ngram+mtp@best": best})}
+    assert rows[("ngram+mtp", "chat")].best_fixed == "ngram+mtp@best"
+    assert rows[("ngram+mtp", "code")].best_fixed == "ngram+mtp@3"  # still the fastest there
+    adaptive = method(1.2, code=1.2, chat=1.2) | {"schedule": "adaptive"}
+    rows = {(r.drafter, r.group): r for r in schedule_rows({**METHODS, "ngram@best": adaptive})}
+    assert rows[("ngram", OVERALL)].best_fixed == "ngram@3"  # not fixed: not a candidate
+
+
 def test_summary_counts_groups() -> None:
     # ngram: code 0.972 (within), chat 0.93 (not); vs heuristic: code 0.97 (slower), chat faster
     # mtp: code 1.00 / 1.10 = 0.91 (not), chat 1.02 (within)
