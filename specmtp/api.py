@@ -197,7 +197,8 @@ class SpecGenerator:
         self.profile = profile
         if profile is not None:  # the kernel plan measured with the profile, if any
             check_profile_weights(profile, weights_fingerprints(self.target, drafter))
-            apply_kernel_plan(self.target.model, profile.meta.get("kernel_plan"))
+            meta = profile.meta
+            apply_kernel_plan(self.target.model, meta.get("kernel_plan"), meta.get("kernel_layout"))
             use_profile_tree(profile, drafter)
         tokenizer = self.target.tokenizer
         self.decoder = SpecDecoder(

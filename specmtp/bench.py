@@ -36,6 +36,7 @@ from specmtp.drafters import has_arms
 from specmtp.errors import SpecMTPError
 from specmtp.hf_baselines import HFGenerator, HFRun, HFSettings, hf_default_assisted
 from specmtp.kernels import (
+    MAX_ROWS,
     KernelPlan,
     measure_kernel_plan,
     stock_kernels,
@@ -177,6 +178,22 @@ def build_runner(
     if "model_gamma" in settings and not has_arms(generator.decoder.drafter):
         raise SpecMTPError(f"{spec}: a γ pair N/M needs an ngram+SPEC drafter")
     return SpecRunner(generator, settings)
+
+
+def _verify_rows(runners: dict[str, Runner]) -> int:
+    """The most rows our methods' verify passes can hold (kernels.MAX_ROWS at most): γ + 1
+    for a fixed γ (the larger of a pair), MAX_ROWS for trees and changing schedules. The
+    kernel plan is measured, and its weight layout chosen, for 1..this many rows."""
+    rows = 1
+    for runner in runners.values():
+        if not isinstance(runner, SpecRunner) or runner.gen.decoder.drafter is None:
+            continue  # plain decoding verifies 1 row; Hugging Face's methods: stock kernels
+        settings = runner.settings
+        fixed = settings.get("schedule", "fixed") == "fixed" and "gamma" in settings
+        if not fixed or getattr(runner.gen.decoder.drafter, "tree", None) is not None:
+            return MAX_ROWS
+        rows = max(rows, settings["gamma"] + 1, settings.get("model_gamma", 0) + 1)
+    return min(rows, MAX_ROWS)
 
 
 def _hf_runner(name: str, gamma: str, target: LoadedModel) -> HFRunner:
@@ -322,6 +339,7 @@ class BenchResult:
             "torch_threads": torch.get_num_threads(),
             "kernels": "tuned" if tuned_linear_enabled() else "plain",
             "kernel_plan": None if self.kernel_plan is None else self.kernel_plan.by_rows,
+            "kernel_layout": None if self.kernel_plan is None else self.kernel_plan.layout,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -433,9 +451,9 @@ def run_bench(config: BenchConfig, *, log: Log = log_to_stderr) -> BenchResult:
     warmup = replace(
         config.generation, max_new_tokens=min(WARMUP_TOKENS, config.generation.max_new_tokens)
     )
-    plan = measure_kernel_plan(plain.gen.decoder.target, ids[0])
+    plan = measure_kernel_plan(plain.gen.decoder.target, ids[0], max_rows=_verify_rows(runners))
     if plan is not None:
-        log(f"kernel plan (transposed product by rows): {plan.by_rows}")
+        log(f"kernel plan (transposed product by rows): {plan.by_rows}; weights {plan.layout}")
     for runner in runners.values():
         if isinstance(runner, SpecRunner) and runner.settings.get("schedule") == "adaptive":
             # The adaptive schedule measures T(n) on first use: not inside a timed run.

@@ -35,7 +35,7 @@ from specmtp.costmodel import (
 from specmtp.data import load_train_prompts
 from specmtp.drafters import LOOKUP_ARM, MODEL_ARM, has_arms
 from specmtp.errors import SpecMTPError
-from specmtp.kernels import measure_kernel_plan
+from specmtp.kernels import MAX_ROWS, measure_kernel_plan
 from specmtp.models import DTYPES, load_model
 from specmtp.profile import Profile, default_profile_path
 from specmtp.stats import GenerationStats
@@ -327,13 +327,14 @@ def run_tune(config: TuneConfig, *, log: Log) -> Profile:
     target = load_model(config.target, dtype=DTYPES[config.dtype])
     plain, spec = SpecGenerator(target), SpecGenerator(target, draft=config.draft)
     prompt_ids = [plain.encode(text, chat=True) for text in texts]
-    plan = measure_kernel_plan(spec.decoder.target, prompt_ids[0])
+    tree = getattr(spec.decoder.drafter, "tree", None)
+    rows = MAX_ROWS if tree is not None else config.max_gamma + 1  # the verify passes to come
+    plan = measure_kernel_plan(spec.decoder.target, prompt_ids[0], max_rows=rows)
     if plan is not None:
-        log(f"kernel plan (transposed product by rows): {plan.by_rows}")
+        log(f"kernel plan (transposed product by rows): {plan.by_rows}; weights {plan.layout}")
     warmup = replace(_generation(config, config.max_gamma), max_new_tokens=8)
     for gen in (plain, spec):
         gen.decoder.generate(prompt_ids[0], warmup)
-    tree = getattr(spec.decoder.drafter, "tree", None)
     if has_arms(spec.decoder.drafter):
         pairs = sweep_pair_runs(plain, spec, prompt_ids, config, log)
         verify_s = _verify_costs(spec, prompt_ids, pairs, config, log)
@@ -358,6 +359,7 @@ def run_tune(config: TuneConfig, *, log: Log) -> Profile:
         verify_s = _verify_costs(spec, prompt_ids, runs, config, log)
         profile = build_tree_profile(config, runs, trees, rank_probs, verify_s)
     profile.meta["kernel_plan"] = None if plan is None else plan.by_rows
+    profile.meta["kernel_layout"] = None if plan is None else plan.layout
     profile.meta["weights"] = weights_fingerprints(target, spec.decoder.drafter)
     profile.save(config.profile_path)
     return profile

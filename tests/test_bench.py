@@ -16,7 +16,10 @@ import pytest
 from conftest import run_captured, run_cli
 
 from specmtp.api import AUTO_MAX_GAMMA
+from specmtp.bench import _verify_rows, build_runner
 from specmtp.cli import main
+from specmtp.config import GenerationConfig
+from specmtp.models import load_model
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SUITE = "mt_bench"  # the prompt file's folder: results are grouped by SUITE/category
@@ -178,6 +181,9 @@ def test_config(greedy: tuple[str, str, dict[str, Any]], questions: Path) -> Non
     assert config["max_new_tokens"] == NEW_TOKENS
     assert config["temperatures"] == [0.0]
     assert config["warmup"] == 0 and config["repeats"] == 1 and config["torch_threads"] == 1
+    # the measured kernel plan: a strategy per row count 1..8 and a weight layout
+    assert set(config["kernel_plan"]) == {str(n) for n in range(1, 9)}
+    assert config["kernel_layout"] in ("out-major", "in-major")
     assert greedy[2]["by_temperature"].keys() == {"0.0"}
     assert greedy[2]["context_sweep"] == [] and greedy[2]["gamma_sweep"] == {}
 
@@ -346,3 +352,21 @@ def test_context_sweep_needs_text_prompts(capfd: pytest.CaptureFixture[str]) -> 
         "--max-new-tokens", "2", "--warmup", "0", "--threads", "1",
     )  # fmt: skip
     assert_one_line_error(code, out, err, "context")
+
+
+@pytest.mark.parametrize(
+    ("methods", "rows"),
+    [
+        (["ar"], 1),  # plain decoding alone: the plan and layout for one row
+        (["ar", "ngram@3"], 4),
+        (["ar", "ngram@1", "ngram+mtp@3/5"], 6),  # the larger γ of a pair
+        (["ar", "ngram@20"], 8),  # at most MAX_ROWS
+        (["ar", "ngram@hf"], 8),  # a changing γ: every row count
+        (["ar", "mtp-tree@2"], 8),  # a tree: its nodes
+        (["ar", "hf-prompt-lookup@3"], 1),  # Hugging Face's methods run stock kernels
+    ],
+)
+def test_the_kernel_plan_covers_the_verify_passes_to_come(methods: list[str], rows: int) -> None:
+    target = load_model("default")
+    runners = {m: build_runner(m, target, GenerationConfig()) for m in methods}
+    assert _verify_rows(runners) == rows

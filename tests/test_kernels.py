@@ -19,7 +19,9 @@ from specmtp.cache import CachedModel
 from specmtp.config import GenerationConfig
 from specmtp.decode import SpecDecoder
 from specmtp.drafters import DraftModelDrafter
+from specmtp.errors import SpecMTPError
 from specmtp.kernels import (
+    LAYOUTS,
     MAX_ROWS,
     STRATEGIES,
     KernelPlan,
@@ -27,6 +29,7 @@ from specmtp.kernels import (
     kernel_plan,
     measure_kernel_plan,
     set_tuned_linear,
+    set_weight_layout,
     transposed_linear,
     tuned_linear_enabled,
     use_tuned_linear,
@@ -350,26 +353,43 @@ def test_measure_kernel_plan_keeps_the_median_fastest_per_row_count(
         plan = kernel_plan(runner.model)
         assert plan is not None
         calls.append((dict(plan.by_rows), max_tokens, repeats))
+        layouts.append(plan.layout)
         strategy = plan.by_rows[2]
         sweep = sum(1 for by_rows, _, _ in calls if by_rows[2] == strategy) - 1
-        # What each row count costs under the strategy the plan holds right now.
+        sweep //= len(LAYOUTS)  # each layout has its sweep of every strategy
+        # What each row count costs under the strategy the plan holds right now; in-major
+        # weights cost 1.2x at 1-3 rows and `in_major_factor` from 4 rows.
         times = FAKE_TIMES[strategy][sweep]
+        if plan.layout == "in-major":
+            times = [t * (1.2 if n < 3 else in_major_factor) for n, t in enumerate(times)]
         return tuple(float(times[n - 1]) for n in range(1, max_tokens + 1))
 
     monkeypatch.setattr(kernels, "measure_verify_costs", fake_costs)
     model = swapped("llama")
     runner = CachedModel(model, vocab_size=TINY_VOCAB)
+    layouts: list[str] = []
+    # Fastest per n: 0.5 1 1 | 2 1 2 2 2 (sum 11.5); in-major 1.2 x 2.5 + 0.9 x 9 = 11.1
+    in_major_factor = 0.9
     plan = measure_kernel_plan(runner, PROMPT, repeats=3)
 
     assert plan is kernel_plan(model)
     assert plan.by_rows == {1: "all", 2: "all", 3: "all"} | dict.fromkeys(range(4, 9), "head")
-    # Strategies take turns sweep by sweep, each timing the whole plan once per call.
-    assert [by_rows[2] for by_rows, _, _ in calls] == list(STRATEGIES) * 3
+    assert plan.layout == "in-major"  # the smaller sum of the fastest T(n)
+    assert not model.model.layers[0].mlp.up_proj.weight.is_contiguous()
+    # Layouts and strategies take turns sweep by sweep, each timing the whole plan once.
+    assert layouts == ["out-major"] * 4 + ["in-major"] * 4 + layouts[:8] * 2
+    assert [by_rows[2] for by_rows, _, _ in calls] == list(STRATEGIES) * 2 * 3
     for by_rows, max_tokens, repeats in calls:
         assert sorted(by_rows) == list(range(1, MAX_ROWS + 1))
         assert len(set(by_rows.values())) == 1
         assert (max_tokens, repeats) == (MAX_ROWS, 1)
     assert runner.length == 0
+
+    calls.clear()
+    in_major_factor = 1.0  # now 1.2 x 2.5 + 9 = 12 > 11.5
+    plan = measure_kernel_plan(runner, PROMPT, repeats=3)
+    assert plan.layout == "out-major"
+    assert model.model.layers[0].mlp.up_proj.weight.is_contiguous()
 
     calls.clear()
     plan = measure_kernel_plan(runner, PROMPT, max_rows=3, repeats=3)
@@ -425,3 +445,68 @@ def test_stock_kernels_turn_the_plan_off_for_a_while(monkeypatch: pytest.MonkeyP
         assert not plan.disabled
         model(tokens)
     assert calls  # the plan applies again afterwards
+
+
+# --- weight layouts --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_in_major_weights_keep_values_and_logits(arch: str) -> None:
+    """In-major storage moves every weight but the LM head (tied to the embeddings) into
+    [in, out] order; values, parameters and logits stay; out-major restores the storage."""
+    model = swapped(arch, "head")
+    head = model.get_output_embeddings()
+    linears = [m for m in tuned_modules(model) if m is not head]
+    params = [m.weight for m in linears]
+    before = [w.detach().clone() for w in params]
+    runner = CachedModel(model, vocab_size=TINY_VOCAB)
+    chain = torch.tensor([PROMPT])
+    want = runner.forward(chain)
+    runner.reset()
+    set_weight_layout(model, "in-major")
+    assert kernel_plan(model).layout == "in-major"
+    for module, param, old in zip(linears, params, before, strict=True):
+        assert module.weight is param  # the same parameter, its storage moved
+        assert param.stride() == (1, param.shape[0]) and not param.is_contiguous()
+        assert torch.equal(param, old)
+    assert head.weight.is_contiguous()
+    for n in range(1, MAX_ROWS + 1):  # every row count, as a verify pass would
+        got = runner.forward(chain[:, :n])
+        torch.testing.assert_close(got, want[:, :n], rtol=1e-4, atol=1e-5)
+        runner.reset()
+    set_weight_layout(model, "out-major")
+    assert all(
+        p.is_contiguous() and torch.equal(p, old) for p, old in zip(params, before, strict=True)
+    )
+
+
+def test_spec_decoding_with_in_major_weights_equals_hf_greedy() -> None:
+    target = swapped("llama", "head")
+    draft = perturbed_copy(target, scale=0.3, seed=1)
+    want = hf_greedy(target, PROMPT, 30)
+    set_weight_layout(target, "in-major")
+    decoder = SpecDecoder(
+        target,
+        drafter=DraftModelDrafter(draft, vocab_size=TINY_VOCAB),
+        vocab_size=TINY_VOCAB,
+        context_length=256,
+    )
+    result = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=30, gamma=4))
+    assert 0 < result.stats.accepted_tokens < result.stats.drafted_tokens
+    assert result.tokens == want
+
+
+def test_stock_kernels_run_the_weights_as_loaded() -> None:
+    model = swapped("llama")
+    set_weight_layout(model, "in-major")
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    with kernels.stock_kernels(model):
+        assert weight.is_contiguous() and kernel_plan(model).layout == "out-major"
+    assert not weight.is_contiguous() and kernel_plan(model).layout == "in-major"
+
+
+def test_bad_layouts_are_refused() -> None:
+    with pytest.raises(SpecMTPError, match="kernel layout must be one of"):
+        set_weight_layout(swapped("llama"), "diagonal")
+    with pytest.raises(ValueError, match="whose linear layers were swapped"):
+        set_weight_layout(tiny_model("llama", seed=0), "in-major")

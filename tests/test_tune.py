@@ -98,6 +98,7 @@ def test_profile_contents(profile: Profile) -> None:
     assert profile.meta["num_prompts"] == 2
     assert profile.meta["max_new_tokens"] == NEW_TOKENS
     assert profile.meta["torch_threads"] == 1
+    assert profile.meta["kernel_layout"] in ("out-major", "in-major")  # measured with the plan
 
 
 def test_sweep_and_best_gamma(profile: Profile) -> None:
