@@ -182,15 +182,15 @@ def build_runner(
 
 def _verify_rows(runners: dict[str, Runner]) -> int:
     """The most rows our methods' verify passes can hold (kernels.MAX_ROWS at most): γ + 1
-    for a fixed γ (the larger of a pair), MAX_ROWS for trees and changing schedules. The
-    kernel plan is measured, and its weight layout chosen, for 1..this many rows."""
+    for a fixed γ (the larger of a pair) or the adaptive schedule's largest γ, MAX_ROWS for
+    trees and the heuristic (no bound). The kernel plan is measured, and its weight layout
+    chosen, for 1..this many rows."""
     rows = 1
     for runner in runners.values():
         if not isinstance(runner, SpecRunner) or runner.gen.decoder.drafter is None:
             continue  # plain decoding verifies 1 row; Hugging Face's methods: stock kernels
         settings = runner.settings
-        fixed = settings.get("schedule", "fixed") == "fixed" and "gamma" in settings
-        if not fixed or getattr(runner.gen.decoder.drafter, "tree", None) is not None:
+        if "gamma" not in settings or getattr(runner.gen.decoder.drafter, "tree", None):
             return MAX_ROWS
         rows = max(rows, settings["gamma"] + 1, settings.get("model_gamma", 0) + 1)
     return min(rows, MAX_ROWS)

@@ -361,7 +361,8 @@ def test_context_sweep_needs_text_prompts(capfd: pytest.CaptureFixture[str]) -> 
         (["ar", "ngram@3"], 4),
         (["ar", "ngram@1", "ngram+mtp@3/5"], 6),  # the larger γ of a pair
         (["ar", "ngram@20"], 8),  # at most MAX_ROWS
-        (["ar", "ngram@hf"], 8),  # a changing γ: every row count
+        (["ar", "ngram@hf"], 8),  # the heuristic has no bound: every row count
+        (["ar", "ngram@auto"], 8),  # the adaptive schedule's largest γ, 8 without a profile
         (["ar", "mtp-tree@2"], 8),  # a tree: its nodes
         (["ar", "hf-prompt-lookup@3"], 1),  # Hugging Face's methods run stock kernels
     ],
