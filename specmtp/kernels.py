@@ -27,11 +27,12 @@ view), so F.linear's product reads them without a transpose. Which is faster dep
 CPU and its BLAS: on an Intel Xeon with AMX (float32, 1 thread, default model, whole-model
 T(n) in ms for n = 1..8) out-major gave 76 81 88 119 125 121 142 139 and in-major 71 88 83
 90 96 101 112 128. `measure_kernel_plan` times both and keeps the layout with the smaller
-sum over row counts of the fastest strategy's T(n).
+geometric mean over row counts of the fastest strategy's T(n).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -162,7 +163,8 @@ def measure_kernel_plan(
     runner: CachedModel, prompt_ids: Sequence[int], *, max_rows: int = MAX_ROWS, repeats: int = 3
 ) -> KernelPlan | None:
     """Time T(n) of the whole model under each weight layout and strategy; keep the layout
-    whose fastest strategies sum to the least over n, and its fastest strategy per n.
+    whose fastest strategies have the smaller geometric mean of T(n) over n (a 10% change
+    at one row weighs as much as at eight), and its fastest strategy per n.
 
     Layouts and strategies take turns sweep by sweep, so load changes hit them alike.
     Updates and returns the model's plan (None when its layers were not swapped).
@@ -194,10 +196,10 @@ def measure_kernel_plan(
         for layout in LAYOUTS
     }
 
-    def total(layout: str) -> float:
-        return sum(medians[layout, s][n - 1] for n, s in best[layout].items())
+    def log_total(layout: str) -> float:  # every row count weighs alike, in relative terms
+        return sum(math.log(max(medians[layout, s][n - 1], 1e-9)) for n, s in best[layout].items())
 
-    layout = min(LAYOUTS, key=total)
+    layout = min(LAYOUTS, key=log_total)
     set_weight_layout(runner.model, layout)
     plan.by_rows = best[layout]
     return plan
