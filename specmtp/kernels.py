@@ -25,8 +25,9 @@ embedding matrix too) are stored: `out-major` as loaded ([out, in], one output's
 contiguous), or `in-major` (the same values stored [in, out], `weight` being its transposed
 view), so F.linear's product reads them without a transpose. Which is faster depends on the
 CPU and its BLAS: on an Intel Xeon with AMX (float32, 1 thread, default model, whole-model
-T(n) in ms for n = 1..8) out-major gave 76 81 88 119 125 121 142 139 and in-major 71 88 83
-90 96 101 112 128. `measure_kernel_plan` times both and keeps the layout with the smaller
+T(n) in ms for n = 1 2 3 4 6 8; scripts/kernel_layouts.py at commit 8e503d9) out-major gave
+63.6 73.4 75.6 109.6 126.9 147.7 and in-major 64.1 88.1 91.8 106.9 110.5 124.0.
+`measure_kernel_plan` times both and keeps the layout with the smaller
 geometric mean over row counts of the fastest strategy's T(n).
 """
 

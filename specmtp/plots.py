@@ -214,12 +214,29 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
 
 def plot_tune(profile: dict[str, Any], path: Path) -> Path:
     """Left: predicted (dashed) and measured (solid) speedup against gamma, the best
-    gamma marked; right: the acceptance alpha per draft position that the prediction used."""
+    gamma marked; right: the acceptance alpha per draft position that the prediction used.
+    A γ pair profile (lookup-first drafter) plots each arm's γ and α instead."""
     fig, (left, right) = _figure(11.0, 4.2, 2)
     if profile.get("model_gamma") is not None:
         _plot_pair_tune(profile, left, right)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return _save(fig, path)
+    else:
+        _plot_chain_tune(profile, left, right)
+    fig.suptitle(f"target {profile.get('target', '?')}, draft {profile.get('draft', '?')}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _save(fig, path)
+
+
+def _alpha_axes(ax: Axes, title: str) -> None:
+    _integer_ticks(ax)
+    ax.set(
+        xlabel="draft position",
+        ylabel=f"{ALPHA} = P(accepted | earlier drafts accepted)",
+        ylim=(0, 1.1),
+    )
+    ax.set_title(title)
+
+
+def _plot_chain_tune(profile: dict[str, Any], left: Axes, right: Axes) -> None:
     sweep = [as_dict(p) for p in as_list(profile.get("sweep"))]
     trees = bool(profile.get("tree"))  # a tree profile sweeps budgets (nodes), not γ
     xs = [p.get("budget" if trees else "gamma") for p in sweep]
@@ -245,16 +262,7 @@ def plot_tune(profile: dict[str, Any], path: Path) -> Path:
         right.bar_label(bars, fmt="%.2f", fontsize="small")
     else:
         _no_data(right)
-    _integer_ticks(right)
-    right.set(
-        xlabel="draft position",
-        ylabel=f"{ALPHA} = P(accepted | earlier drafts accepted)",
-        ylim=(0, 1.1),
-    )
-    right.set_title("Acceptance per draft position")
-    fig.suptitle(f"target {profile.get('target', '?')}, draft {profile.get('draft', '?')}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return _save(fig, path)
+    _alpha_axes(right, "Acceptance per draft position")
 
 
 def _plot_pair_tune(profile: dict[str, Any], left: Axes, right: Axes) -> None:
@@ -296,11 +304,4 @@ def _plot_pair_tune(profile: dict[str, Any], left: Axes, right: Axes) -> None:
         right.legend(fontsize="small")
     else:
         _no_data(right)
-    _integer_ticks(right)
-    right.set(
-        xlabel="draft position",
-        ylabel=f"{ALPHA} = P(accepted | earlier drafts accepted)",
-        ylim=(0, 1.1),
-    )
-    right.set_title("Acceptance per draft position, by arm")
-    left.figure.suptitle(f"target {profile.get('target', '?')}, draft {profile.get('draft', '?')}")
+    _alpha_axes(right, "Acceptance per draft position, by arm")
