@@ -72,9 +72,18 @@ class KernelPlan:
     by_rows: dict[int, str] = field(default_factory=dict)  # rows -> one of STRATEGIES
     disabled: bool = False  # F.linear everywhere for now (see stock_kernels)
     layout: str = "out-major"  # one of LAYOUTS; change it with set_weight_layout
+    # Set by invariant.use_row_invariant: the one product ("plain" or "padded") for every
+    # row count, which measurements and profiles leave alone, and the attention the model
+    # had before (restored by stock_kernels).
+    row_invariant: str | None = None
+    stock_attention: str | None = None
 
     def strategy(self, rows: int) -> str:
-        if self.disabled or not 1 <= rows <= MAX_ROWS:
+        if self.disabled:
+            return "plain"
+        if self.row_invariant is not None:
+            return self.row_invariant
+        if not 1 <= rows <= MAX_ROWS:
             return "plain"
         return self.by_rows.get(rows, "plain" if rows == 1 else "head")
 
@@ -93,6 +102,20 @@ def transposed_linear(
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+PAD_ROWS = 16  # the block height of padded products
+
+
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T + b on blocks of exactly PAD_ROWS rows (the last zero-padded): a BLAS that
+    picks its algorithm by row count then gives a row the same bits at every row count."""
+    rows = x.reshape(-1, x.shape[-1])  # [M, in]
+    m = rows.shape[0]
+    if m % PAD_ROWS:
+        rows = torch.cat([rows, rows.new_zeros(PAD_ROWS - m % PAD_ROWS, rows.shape[1])])
+    out = torch.cat([F.linear(block, weight, bias) for block in rows.split(PAD_ROWS)])[:m]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 class TunedLinear(nn.Linear):
     """nn.Linear that follows its model's KernelPlan for inference on a few rows."""
 
@@ -104,6 +127,8 @@ class TunedLinear(nn.Linear):
         training = torch.is_grad_enabled() and self.weight.requires_grad
         if not training and x.device.type == "cpu":
             strategy = self.kernel_plan.strategy(rows)
+            if strategy == "padded":
+                return padded_linear(x, self.weight, self.bias)
             if strategy in ("all", "even") or (strategy == "head" and self.is_head):
                 return transposed_linear(x, self.weight, self.bias, even=strategy == "even")
         return F.linear(x, self.weight, self.bias)
@@ -124,8 +149,11 @@ def use_tuned_linear(model: nn.Module) -> KernelPlan:
 def apply_kernel_plan(
     model: nn.Module, by_rows: dict[Any, str] | None, layout: str | None = None
 ) -> None:
-    """Use a plan measured earlier (a tuning profile's); keys may be JSON strings."""
+    """Use a plan measured earlier (a tuning profile's); keys may be JSON strings. A
+    row-invariant plan stays as it is: the numerics, not speed, chose its kernels."""
     plan = kernel_plan(model)
+    if plan is not None and plan.row_invariant is not None:
+        return
     if plan is not None and by_rows:
         plan.by_rows = {int(rows): strategy for rows, strategy in by_rows.items()}
     if plan is not None and layout is not None:
@@ -171,8 +199,8 @@ def measure_kernel_plan(
     Updates and returns the model's plan (None when its layers were not swapped).
     """
     plan = kernel_plan(runner.model)
-    if plan is None:
-        return None
+    if plan is None or plan.row_invariant is not None:
+        return plan  # a row-invariant plan's kernels are fixed (invariant.py)
     rows = min(max_rows, MAX_ROWS)
     sweeps: dict[tuple[str, str], list[tuple[float, ...]]] = {}
     saved = plan.by_rows, plan.layout
@@ -208,16 +236,20 @@ def measure_kernel_plan(
 
 @contextmanager
 def stock_kernels(*models: nn.Module | None) -> Iterator[None]:
-    """Run `models` with F.linear everywhere and their weights as loaded for a while: how
-    other engines (Hugging Face's generate) run them."""
+    """Run `models` with F.linear everywhere, their weights as loaded and their attention as
+    loaded for a while: how other engines (Hugging Face's generate) run them."""
     swapped = [(m, plan) for m in filter(None, models) if (plan := kernel_plan(m)) is not None]
-    saved = [(plan.disabled, plan.layout) for _, plan in swapped]
+    saved = [(plan.disabled, plan.layout, m.config._attn_implementation) for m, plan in swapped]
     for model, plan in swapped:
         plan.disabled = True
         set_weight_layout(model, "out-major")  # as loaded
+        if plan.stock_attention is not None:
+            model.set_attn_implementation(plan.stock_attention)
     try:
         yield
     finally:
-        for (model, plan), (was, layout) in zip(swapped, saved, strict=True):
+        for (model, plan), (was, layout, attention) in zip(swapped, saved, strict=True):
             plan.disabled = was
             set_weight_layout(model, layout)
+            if model.config._attn_implementation != attention:
+                model.set_attn_implementation(attention)

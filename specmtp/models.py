@@ -35,6 +35,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging as hf_logging
 
 from specmtp.errors import SpecMTPError
+from specmtp.invariant import use_row_invariant
 from specmtp.kernels import tuned_linear_enabled, use_tuned_linear
 
 DEFAULT_SPEC = "default"
@@ -123,6 +124,10 @@ def load_model(
     model.requires_grad_(False)
     if tuned_linear_enabled() and model.device.type == "cpu":
         use_tuned_linear(model)
+    if dtype != torch.float32:
+        # Half-precision rounding depends on how many tokens a forward holds; without this
+        # a verify pass would not reproduce plain decoding's steps (invariant.py).
+        use_row_invariant(model)
     _ensure_eos(spec, tokenizer, model)
     return LoadedModel(
         model=model,

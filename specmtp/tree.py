@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 
 from specmtp.cache import CachedModel
 from specmtp.errors import SpecMTPError
+from specmtp.invariant import ATTENTION as ROW_INVARIANT_ATTENTION
 from specmtp.sampling import sample
 from specmtp.verification import residual
 
@@ -39,7 +40,7 @@ Candidates = Sequence[torch.Tensor] | Mapping[Path, torch.Tensor]
 
 # Attention implementations that add a custom 4-D float mask to the scores as given. Flash
 # attention reads a mask as padding only, so a tree mask would be silently ignored.
-TREE_ATTENTION = ("eager", "sdpa")
+TREE_ATTENTION = ("eager", "sdpa", ROW_INVARIANT_ATTENTION)
 
 
 TREE_FILE = "tree.json"  # the tree shipped beside a set of MTP heads

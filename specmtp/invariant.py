@@ -1,0 +1,138 @@
+"""Row-invariant numerics: a forward over n tokens gives every token, bit for bit, the
+logits that one-token forwards would give it. Speculative decoding then stays exact in any
+dtype.
+
+Greedy speculative decoding is token-identical to plain decoding only if the verify pass
+(k + 1 tokens in one forward) computes each token's logits exactly as plain decoding's
+one-token steps do. In float32 the rounding differences between the two (about 1e-6) have
+not flipped an argmax in our runs; in bfloat16 they are about 1e-2, and most 128-token
+greedy outputs diverge somewhere. Two kinds of operation depend on how many rows a forward
+holds:
+
+- Attention. A fused kernel computes a block of queries at once, and masked-out keys change
+  the length of its reductions. Here, in the decode phase (at most MAX_LOOP_ROWS query
+  rows), each query row is computed alone over exactly the keys it may see, in cache order:
+  the same call, on the same shapes, as a one-token step. A tree's rows gather their
+  ancestors' keys, which sit where a chain would have put them.
+- Matrix products. A BLAS may pick its algorithm (and so its order of additions) by the
+  number of rows. `use_row_invariant` probes every weight shape of the model: if F.linear
+  gives each row the same bits whatever the row count, it is kept; otherwise every product
+  runs on blocks of exactly PAD_ROWS rows (zero-padded), so a row's bits never depend on
+  the others. Neither passing, the model is refused.
+
+Everything else in a decoder layer (norms, rotary embeddings, activations) works row by row.
+Prompts longer than MAX_LOOP_ROWS use the fused kernel: plain and speculative decoding feed
+a prompt through the same single forward, so they still agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from specmtp.errors import SpecMTPError
+from specmtp.kernels import PAD_ROWS, kernel_plan, padded_linear, use_tuned_linear
+
+ATTENTION = "specmtp_row_invariant"
+MAX_LOOP_ROWS = 32  # query rows computed one by one; longer inputs (prompts) use the fused kernel
+PROBE_ROWS = 2 * PAD_ROWS
+
+
+def row_invariant_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention in the transformers interface, each query row alone over its visible keys.
+
+    query [B, H, n, d]; key, value [B, Hkv, S, d]; attention_mask None (causal: the n
+    queries are the last n positions), boolean (True: visible) or additive (0: visible,
+    the dtype's minimum: hidden) [B, 1, n, S]. Returns [B, n, H, d] and no weights.
+    """
+    batch, _, n, _ = query.shape
+    if n > MAX_LOOP_ROWS or dropout > 0.0:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    gqa = key.shape[1] != query.shape[1]
+    per_batch = []
+    for b in range(batch):
+        rows = []
+        for j, visible in enumerate(_visible_keys(attention_mask, b, n, key.shape[2])):
+            if isinstance(visible, int):
+                k, v = key[b : b + 1, :, :visible], value[b : b + 1, :, :visible]
+            else:
+                k, v = key[b : b + 1, :, visible], value[b : b + 1, :, visible]
+            q = query[b : b + 1, :, j : j + 1]  # [1, H, 1, d]
+            rows.append(F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa))
+        per_batch.append(torch.cat(rows, 2))  # [1, H, n, d]
+    out = torch.cat(per_batch)  # [B, H, n, d]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _visible_keys(
+    mask: torch.Tensor | None, b: int, n: int, length: int
+) -> list[int | torch.Tensor]:
+    """Per query row of batch row b: a prefix length, or the visible key indices [m]."""
+    if mask is None:
+        return [length - n + j + 1 for j in range(n)]
+    visible = mask[b, 0] if mask.dtype == torch.bool else mask[b, 0] == 0  # [n, S]
+    counts = visible.sum(-1)  # [n]
+    prefix = visible.cumprod(-1).sum(-1) == counts  # [n]: visible keys form a prefix
+    out: list[int | torch.Tensor] = []
+    for j, (count, is_prefix) in enumerate(zip(counts.tolist(), prefix.tolist(), strict=True)):
+        out.append(count if is_prefix else visible[j].nonzero().squeeze(-1))
+    return out
+
+
+AttentionInterface.register(ATTENTION, row_invariant_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+
+
+def rows_invariant(weight: torch.Tensor, *, padded: bool, seed: int = 0) -> bool:
+    """Whether every row of a product with `weight` [out, in] gets the same bits at every
+    row count 1..PROBE_ROWS and at every place in the block (random inputs)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.dtype)
+    product = padded_linear if padded else F.linear
+    with torch.inference_mode():
+        full = product(x, weight, None)  # [R, out]
+        for m in range(1, PROBE_ROWS):
+            if not torch.equal(product(x[:m], weight, None), full[:m]):
+                return False
+            if not torch.equal(product(x[m : m + 1], weight, None), full[m : m + 1]):
+                return False
+    return True
+
+
+def use_row_invariant(model: nn.Module) -> str:
+    """Make `model`'s forwards row-invariant (module docstring); returns the product kind
+    chosen, "plain" or "padded". Refuses a model whose products are neither."""
+    weights = {
+        (m.weight.shape, m.weight.dtype): m.weight
+        for m in model.modules()
+        if isinstance(m, nn.Linear)
+    }
+    kind = "plain"
+    if not all(rows_invariant(w, padded=False) for w in weights.values()):
+        kind = "padded"
+        if not all(rows_invariant(w, padded=True) for w in weights.values()):
+            raise SpecMTPError(
+                "this machine's matrix products round differently by row count even in fixed "
+                "blocks, so row-invariant numerics are not possible here; use float32"
+            )
+    plan = kernel_plan(model) or use_tuned_linear(model)
+    plan.row_invariant = kind
+    if model.config._attn_implementation != ATTENTION:
+        plan.stock_attention = model.config._attn_implementation
+        model.set_attn_implementation(ATTENTION)
+    return kind

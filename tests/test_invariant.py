@@ -1,0 +1,168 @@
+"""Row-invariant numerics (specmtp/invariant.py): in bfloat16 a forward over n tokens gives
+each token the bits that one-token steps give it, so greedy speculative decoding stays
+token-identical to plain decoding."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from specmtp import invariant
+from specmtp.api import SpecGenerator
+from specmtp.cache import CachedModel
+from specmtp.errors import SpecMTPError
+from specmtp.invariant import ATTENTION, row_invariant_attention, rows_invariant, use_row_invariant
+from specmtp.kernels import apply_kernel_plan, kernel_plan, padded_linear, stock_kernels
+from specmtp.models import load_model
+from specmtp.tree import TokenTree, tree_forward
+
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def bf16_runner(tiny_target: Path) -> CachedModel:
+    loaded = load_model(str(tiny_target), dtype=torch.bfloat16)
+    return CachedModel(loaded.model, vocab_size=loaded.model.config.vocab_size)
+
+
+def _prompt(seed: int, length: int = 12) -> torch.Tensor:
+    return torch.randint(5, 4000, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy_steps(runner: CachedModel, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain decoding one token at a time: the tokens [1, P+STEPS] and, per new position,
+    the logits its one-token forward gave [STEPS, V]."""
+    runner.reset()
+    logits = runner.forward(prompt)[:, -1]  # [1, V]
+    seq, rows = prompt, []
+    for _ in range(STEPS):
+        nxt = logits.argmax(-1, keepdim=True)  # [1, 1]
+        seq = torch.cat([seq, nxt], 1)
+        logits = runner.forward(nxt)[:, -1]
+        rows.append(logits[0])
+    return seq, torch.stack(rows)
+
+
+def test_the_loaded_bf16_model_is_row_invariant_and_float32_is_left_alone(
+    bf16_runner: CachedModel, tiny_target: Path
+) -> None:
+    assert bf16_runner.model.config._attn_implementation == ATTENTION
+    assert kernel_plan(bf16_runner.model).row_invariant in ("plain", "padded")
+    plain = load_model(str(tiny_target)).model
+    assert plain.config._attn_implementation != ATTENTION
+    assert kernel_plan(plain).row_invariant is None
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chunks_of_any_size_give_the_bits_of_one_token_steps(
+    bf16_runner: CachedModel, seed: int
+) -> None:
+    prompt = _prompt(seed)
+    seq, steps = _greedy_steps(bf16_runner, prompt)
+    rng = random.Random(seed)
+    P = prompt.shape[1]
+    bf16_runner.reset()
+    bf16_runner.forward(prompt)
+    done = 0
+    while done < STEPS:
+        n = min(rng.randint(1, 9), STEPS - done)
+        logits = bf16_runner.forward(seq[:, P + done : P + done + n])[0]  # [n, V]
+        assert torch.equal(logits, steps[done : done + n]), f"chunk of {n} at {done}"
+        done += n
+
+
+def test_tree_rows_give_the_bits_of_their_paths_decoded_step_by_step(
+    bf16_runner: CachedModel,
+) -> None:
+    prompt = _prompt(2)
+    seq, steps = _greedy_steps(bf16_runner, prompt)
+    P = prompt.shape[1]
+    # Nodes (0,), (0, 0), (0, 0, 0) follow plain decoding's path; (1,), (0, 1) branch off.
+    tree = TokenTree(((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))
+    chain = seq[0, P + 2 : P + 5].tolist()
+    nodes = torch.tensor([[chain[0], 7, chain[1], 9, chain[2]]])  # [1, 5] in node order
+    bf16_runner.reset()
+    bf16_runner.forward(seq[:, : P + 1])
+    logits = tree_forward(bf16_runner, tree, seq[:, P + 1 : P + 2], nodes)[0]  # [6, V]
+    assert torch.equal(logits[0], steps[1])  # the root: the last committed token
+    for row, step in [(1, 2), (3, 3), (5, 4)]:
+        assert torch.equal(logits[row], steps[step]), tree.paths[row - 1]
+
+
+def test_speculative_bf16_greedy_output_equals_plain_decoding(tiny_target: Path) -> None:
+    """The tiny model repeats itself, so the n-gram drafter's rounds accept some drafts and
+    miss others; every verify pass has to reproduce plain decoding's bits."""
+    prompt = _prompt(3, 20)[0].tolist()
+    plain = SpecGenerator(str(tiny_target), dtype=torch.bfloat16)
+    spec = SpecGenerator(str(tiny_target), draft="ngram", dtype=torch.bfloat16)
+    expected = plain.generate(prompt, max_new_tokens=96)
+    for gamma in (2, 5):
+        done = spec.generate(prompt, max_new_tokens=96, gamma=gamma)
+        assert done.tokens == expected.tokens
+        assert 0 < done.stats.accepted_tokens < done.stats.drafted_tokens
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "bool", "tree"])
+def test_the_attention_computes_what_sdpa_computes(mask_kind: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 5, 8, generator=generator)  # [B, H, n, d]
+    key, value = (torch.randn(2, 2, 11, 8, generator=generator) for _ in range(2))  # [B, Hkv, S, d]
+    visible = torch.ones(5, 11, dtype=torch.bool).tril(diagonal=6)  # the last 5 of 11: causal
+    if mask_kind == "tree":
+        visible[3, 7:9] = False  # row 3 skips two positions: a branch it does not descend from
+    mask = None if mask_kind == "causal" else visible[None, None].expand(2, 1, 5, 11)
+    if mask_kind == "tree":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = 2, True, False
+    ours, _ = row_invariant_attention(module, query, key, value, mask, scaling=0.3)
+    reference = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=visible, scale=0.3, enable_gqa=True
+    ).transpose(1, 2)
+    assert ours.shape == (2, 5, 4, 8)
+    torch.testing.assert_close(ours, reference)
+    if mask_kind == "bool":  # and the fused path for long inputs is the stock one
+        stock, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+        torch.testing.assert_close(ours, stock)
+
+
+def test_padded_products_equal_plain_ones_and_are_row_invariant() -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 40, generator=generator)
+    bias = torch.randn(24, generator=generator)
+    for rows in (1, 5, 16, 17, 40):
+        x = torch.randn(2, rows, 40, generator=generator)
+        torch.testing.assert_close(padded_linear(x, weight, bias), F.linear(x, weight, bias))
+    assert rows_invariant(weight.bfloat16(), padded=True)
+
+
+def test_a_machine_without_row_invariant_products_pads_or_is_refused(
+    tiny_target: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = load_model(str(tiny_target)).model  # float32: not yet row-invariant
+    monkeypatch.setattr(invariant, "rows_invariant", lambda w, *, padded: padded)
+    assert use_row_invariant(model) == "padded"
+    assert kernel_plan(model).strategy(1) == kernel_plan(model).strategy(40) == "padded"
+    monkeypatch.setattr(invariant, "rows_invariant", lambda w, *, padded: False)
+    with pytest.raises(SpecMTPError, match="use float32"):
+        use_row_invariant(load_model(str(tiny_target)).model)
+
+
+def test_profiles_and_stock_runs_leave_the_invariant_kernels_alone(
+    bf16_runner: CachedModel,
+) -> None:
+    model = bf16_runner.model
+    plan = kernel_plan(model)
+    kind = plan.row_invariant
+    apply_kernel_plan(model, {"2": "all"}, "in-major")  # a float32 profile's plan
+    assert (plan.row_invariant, plan.layout, plan.strategy(2)) == (kind, "out-major", kind)
+    with stock_kernels(model):  # how Hugging Face's generate runs the model
+        assert model.config._attn_implementation == "sdpa"
+        assert plan.strategy(2) == "plain"
+    assert model.config._attn_implementation == ATTENTION
+    assert plan.strategy(2) == kind
