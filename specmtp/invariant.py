@@ -67,11 +67,11 @@ def row_invariant_attention(
     per_batch = []
     for b in range(batch):
         rows = []
-        for j, visible in enumerate(_visible_keys(attention_mask, b, n, key.shape[2])):
-            if isinstance(visible, int):
-                k, v = key[b : b + 1, :, :visible], value[b : b + 1, :, :visible]
-            else:
-                k, v = key[b : b + 1, :, visible], value[b : b + 1, :, visible]
+        for j, (prefix, extra) in enumerate(_visible_keys(attention_mask, b, n, key.shape[2])):
+            k, v = key[b : b + 1, :, :prefix], value[b : b + 1, :, :prefix]
+            if extra is not None:  # a tree row: its ancestors follow the shared prefix
+                k = torch.cat([k, key[b : b + 1].index_select(2, extra)], 2)
+                v = torch.cat([v, value[b : b + 1].index_select(2, extra)], 2)
             q = query[b : b + 1, :, j : j + 1]  # [1, H, 1, d]
             rows.append(F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa))
         per_batch.append(torch.cat(rows, 2))  # [1, H, n, d]
@@ -81,16 +81,18 @@ def row_invariant_attention(
 
 def _visible_keys(
     mask: torch.Tensor | None, b: int, n: int, length: int
-) -> list[int | torch.Tensor]:
-    """Per query row of batch row b: a prefix length, or the visible key indices [m]."""
+) -> list[tuple[int, torch.Tensor | None]]:
+    """Per query row of batch row b: the length of the prefix of keys it sees, and the
+    indices [m] of the keys it sees past that prefix (None when there are none)."""
     if mask is None:
-        return [length - n + j + 1 for j in range(n)]
+        return [(length - n + j + 1, None) for j in range(n)]
     visible = mask[b, 0] if mask.dtype == torch.bool else mask[b, 0] == 0  # [n, S]
-    counts = visible.sum(-1)  # [n]
-    prefix = visible.cumprod(-1).sum(-1) == counts  # [n]: visible keys form a prefix
-    out: list[int | torch.Tensor] = []
-    for j, (count, is_prefix) in enumerate(zip(counts.tolist(), prefix.tolist(), strict=True)):
-        out.append(count if is_prefix else visible[j].nonzero().squeeze(-1))
+    prefixes = visible.cumprod(-1).sum(-1)  # [n]
+    rest = visible.sum(-1) - prefixes  # [n]
+    out: list[tuple[int, torch.Tensor | None]] = []
+    for j, (prefix, extra) in enumerate(zip(prefixes.tolist(), rest.tolist(), strict=True)):
+        past = visible[j, prefix:].nonzero().squeeze(-1) + prefix if extra else None
+        out.append((prefix, past))
     return out
 
 
