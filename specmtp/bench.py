@@ -318,6 +318,7 @@ class BenchResult:
         gen = self.config.generation
         return {
             "target": self.config.target,
+            "dtype": self.config.dtype,
             "drafts": list(self.config.drafts),
             "prompts": list(self.config.prompts),
             "num_prompts": self.num_prompts,
@@ -340,6 +341,8 @@ class BenchResult:
             "kernels": "tuned" if tuned_linear_enabled() else "plain",
             "kernel_plan": None if self.kernel_plan is None else self.kernel_plan.by_rows,
             "kernel_layout": None if self.kernel_plan is None else self.kernel_plan.layout,
+            # "plain" or "padded" products when half-precision forwards are row-invariant
+            "row_invariant": None if self.kernel_plan is None else self.kernel_plan.row_invariant,
         }
 
     def to_dict(self) -> dict[str, Any]:

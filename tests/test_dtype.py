@@ -3,6 +3,7 @@ one dtype are kept apart from another's."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,20 @@ def test_unknown_dtypes_are_refused(capfd: pytest.CaptureFixture[str]) -> None:
         run_cli(capfd, "generate", "--dtype", "int8", "hello")
     assert exit_info.value.code == 2
     assert "argument --dtype: invalid choice: 'int8'" in capfd.readouterr().err
+
+
+def test_a_bfloat16_bench_is_row_invariant_and_lossless(capfd: pytest.CaptureFixture[str]) -> None:
+    """The default model in bfloat16: every speculative method, a tree among them, gives
+    plain bfloat16 decoding's tokens, and the config says how the forwards were made exact."""
+    code, out, err = run_cli(
+        capfd, "bench", "--dtype", "bfloat16", "--prompts", "random:2x24",
+        "--draft", "mtp@3", "--draft", "mtp-tree", "--draft", "ngram+mtp@4/1",
+        "--max-new-tokens", "40", "--warmup", "0", "--threads", "1",
+    )  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["config"]["dtype"] == "bfloat16"
+    assert report["config"]["row_invariant"] in ("plain", "padded")
+    for name, method in report["methods"].items():
+        assert method["greedy_mismatches"] == 0, name
+    assert report["methods"]["mtp@3"]["mean_accepted_tokens"] > 1.0
