@@ -40,6 +40,8 @@ from specmtp.kernels import PAD_ROWS, kernel_plan, padded_linear, use_tuned_line
 ATTENTION = "specmtp_row_invariant"
 MAX_LOOP_ROWS = 32  # query rows computed one by one; longer inputs (prompts) use the fused kernel
 PROBE_ROWS = 2 * PAD_ROWS
+# Attention features some models pass that the per-row loop does not apply: refused, not ignored.
+UNSUPPORTED = ("softcap", "s_aux", "sinks", "sliding_window")
 
 
 def row_invariant_attention(
@@ -58,6 +60,12 @@ def row_invariant_attention(
     queries are the last n positions), boolean (True: visible) or additive (0: visible,
     the dtype's minimum: hidden) [B, 1, n, S]. Returns [B, n, H, d] and no weights.
     """
+    unsupported = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
+    if unsupported:
+        raise SpecMTPError(
+            f"row-invariant attention does not implement {', '.join(unsupported)}; "
+            "run this model in float32"
+        )
     batch, _, n, _ = query.shape
     if n > MAX_LOOP_ROWS or dropout > 0.0:
         return sdpa_attention_forward(

@@ -132,13 +132,16 @@ def sweep_pair_runs(
     log: Log,
 ) -> dict[Pair, list[GenerationStats]]:
     """γ pairs for a drafter with arms, by coordinate search: first the model rounds' γ
-    M = 1..max_gamma with the lookup rounds at the default γ, then the lookup rounds' γ
-    N = 1..max_gamma with M at the fastest of the first pass. Plain decoding runs with every
-    prompt of both passes, interleaved, so load changes hit every point alike."""
+    M = 1..max_gamma (MTP heads: up to their depth) with the lookup rounds at the default γ,
+    then the lookup rounds' γ N = 1..max_gamma with M at the fastest of the first pass.
+    Plain decoding runs with every prompt of both passes, interleaved, so load changes hit
+    every point alike."""
     runs: dict[Pair, list[GenerationStats]] = {PLAIN: []}
     lookup = min(GenerationConfig().gamma, config.max_gamma)
     top = range(1, config.max_gamma + 1)
-    first = [(lookup, m) for m in top]
+    # MTP heads draft at most one token per depth: a longer model γ would repeat the deepest.
+    depth = getattr(spec.decoder.drafter.fallback, "max_depth", config.max_gamma)
+    first = [(lookup, m) for m in top if m <= depth]
     _pair_pass(plain, spec, prompt_ids, config, first, runs, log, "model γ")
     model = max(first, key=lambda pair: _tokens_per_s(runs[pair]))[1]
     second = [(n, model) for n in top if (n, model) not in runs]

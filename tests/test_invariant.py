@@ -166,3 +166,10 @@ def test_profiles_and_stock_runs_leave_the_invariant_kernels_alone(
         assert plan.strategy(2) == "plain"
     assert model.config._attn_implementation == ATTENTION
     assert plan.strategy(2) == kind
+
+
+def test_attention_features_the_loop_does_not_apply_are_refused() -> None:
+    query = torch.randn(1, 2, 1, 4)  # [B, H, n, d]
+    key = value = torch.randn(1, 2, 3, 4)
+    with pytest.raises(SpecMTPError, match="softcap"):
+        row_invariant_attention(torch.nn.Module(), query, key, value, None, softcap=30.0)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from conftest import run_captured, run_cli
 
+from specmtp import tune
 from specmtp.api import SpecGenerator, gamma_settings, make_config
 from specmtp.config import GenerationConfig
 from specmtp.costmodel import CostModel, expected_tokens
@@ -23,6 +25,7 @@ from specmtp.errors import SpecMTPError
 from specmtp.profile import Profile
 from specmtp.schedule import AdaptiveGamma
 from specmtp.stats import GenerationStats
+from specmtp.tune import TuneConfig
 
 MAX_GAMMA = 2
 NEW_TOKENS = 10
@@ -187,3 +190,21 @@ def test_a_real_generation_counts_every_arm_round() -> None:
                               (stats.arm_accepted, stats.position_accepted)):  # fmt: skip
             assert sum(c[i] for c in counts.values() if i < len(c)) == whole[i]
     assert sum(stats.arm_draft_s.values()) == pytest.approx(stats.draft_s)
+
+
+def test_the_model_gamma_stops_at_the_heads_depth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three MTP depths draft at most three tokens: model γ 4..6 would rerun γ 3."""
+    passes: list[list[tuple[int, int]]] = []
+
+    def fake_pass(*args: Any) -> None:  # (plain, spec, prompt_ids, config, pairs, runs, ...)
+        pairs, runs = args[4], args[5]
+        passes.append(list(pairs))
+        for n, m in pairs:  # model γ 2 is the fastest
+            runs[n, m] = [GenerationStats(gamma=max(n, m), new_tokens=10, total_s=1 + abs(m - 2))]
+
+    monkeypatch.setattr(tune, "_pair_pass", fake_pass)
+    heads = SimpleNamespace(max_depth=3)
+    spec = SimpleNamespace(decoder=SimpleNamespace(drafter=SimpleNamespace(fallback=heads)))
+    config = TuneConfig(prompts=(Path(__file__),), draft="ngram+mtp", max_gamma=6)
+    tune.sweep_pair_runs(None, spec, [], config, print)
+    assert passes == [[(4, 1), (4, 2), (4, 3)], [(1, 2), (2, 2), (3, 2), (5, 2), (6, 2)]]
