@@ -15,12 +15,14 @@ holds:
   the same call, on the same shapes, as a one-token step. A tree's rows gather their
   ancestors' keys, which sit where a chain would have put them.
 - Matrix products. A BLAS may pick its algorithm (and so its order of additions) by the
-  number of rows. `use_row_invariant` probes every weight shape of the model: if F.linear
-  gives each row the same bits whatever the row count, it is kept; otherwise every product
-  runs on blocks of exactly PAD_ROWS rows (zero-padded), so a row's bits never depend on
-  the others. Neither passing, the model is refused.
+  number of rows, or by the input's rank. `use_row_invariant` probes every weight shape of
+  the model with 2-D inputs: if F.linear gives each row the same bits whatever the row
+  count, it is kept (inputs flattened to 2-D, as probed); otherwise every product runs on
+  blocks of exactly PAD_ROWS rows (zero-padded), so a row's bits never depend on the
+  others. Neither passing, the model is refused.
 
 Everything else in a decoder layer (norms, rotary embeddings, activations) works row by row.
+Whatever the parts promise, `forwards_agree` checks the whole model at load.
 Prompts longer than MAX_LOOP_ROWS use the fused kernel: plain and speculative decoding feed
 a prompt through the same single forward, so they still agree.
 """
@@ -30,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
@@ -126,23 +128,45 @@ def rows_invariant(weight: torch.Tensor, *, padded: bool, seed: int = 0) -> bool
 
 def use_row_invariant(model: nn.Module) -> str:
     """Make `model`'s forwards row-invariant (module docstring); returns the product kind
-    chosen, "plain" or "padded". Refuses a model whose products are neither."""
+    chosen, "plain" or "padded". The first kind whose products pass the per-shape probe
+    and whose whole model passes `forwards_agree` is kept; neither, the model is refused."""
     weights = {
         (m.weight.shape, m.weight.dtype): m.weight
         for m in model.modules()
         if isinstance(m, nn.Linear)
     }
-    kind = "plain"
-    if not all(rows_invariant(w, padded=False) for w in weights.values()):
-        kind = "padded"
-        if not all(rows_invariant(w, padded=True) for w in weights.values()):
-            raise SpecMTPError(
-                "this machine's matrix products round differently by row count even in fixed "
-                "blocks, so row-invariant numerics are not possible here; use float32"
-            )
     plan = kernel_plan(model) or use_tuned_linear(model)
-    plan.row_invariant = kind
     if model.config._attn_implementation != ATTENTION:
         plan.stock_attention = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION)
-    return kind
+    for kind in ("plain", "padded"):
+        if all(rows_invariant(w, padded=kind == "padded") for w in weights.values()):
+            plan.row_invariant = kind
+            if forwards_agree(model):
+                return kind
+    raise SpecMTPError(
+        "this machine's kernels round a token differently by how many tokens a forward "
+        f"holds, even in fixed blocks, so {model.dtype} decoding cannot be made exact here; "
+        "use float32"
+    )
+
+
+@torch.inference_mode()
+def forwards_agree(model: nn.Module, *, prompt: int = 6, rows: int = 4, seed: int = 0) -> bool:
+    """End to end on random tokens: does one forward of `rows` tokens after a prompt give
+    the logits, bit for bit, of `rows` one-token forwards?"""
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(vocab, (1, prompt + rows), generator=generator, device=model.device)
+    logits = []
+    for chunks in ([rows], [1] * rows):
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :prompt], cache=cache, use_cache=True)
+        start, out = prompt, []
+        for n in chunks:
+            out.append(
+                model(input_ids=ids[:, start : start + n], cache=cache, use_cache=True).logits
+            )
+            start += n
+        logits.append(torch.cat(out, 1))  # [1, rows, V]
+    return torch.equal(logits[0], logits[1])

@@ -131,6 +131,11 @@ class TunedLinear(nn.Linear):
                 return padded_linear(x, self.weight, self.bias)
             if strategy in ("all", "even") or (strategy == "head" and self.is_head):
                 return transposed_linear(x, self.weight, self.bias, even=strategy == "even")
+            if self.kernel_plan.row_invariant is not None and not self.kernel_plan.disabled:
+                # What the probe checked: a 2-D product. Some BLAS builds take another kernel
+                # for a 3-D input of one row than of several.
+                out = F.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+                return out.reshape(*x.shape[:-1], out.shape[-1])
         return F.linear(x, self.weight, self.bias)
 
 

@@ -16,7 +16,13 @@ from specmtp import invariant
 from specmtp.api import SpecGenerator
 from specmtp.cache import CachedModel
 from specmtp.errors import SpecMTPError
-from specmtp.invariant import ATTENTION, row_invariant_attention, rows_invariant, use_row_invariant
+from specmtp.invariant import (
+    ATTENTION,
+    forwards_agree,
+    row_invariant_attention,
+    rows_invariant,
+    use_row_invariant,
+)
 from specmtp.kernels import apply_kernel_plan, kernel_plan, padded_linear, stock_kernels
 from specmtp.models import load_model
 from specmtp.tree import TokenTree, tree_forward
@@ -151,6 +157,23 @@ def test_a_machine_without_row_invariant_products_pads_or_is_refused(
     monkeypatch.setattr(invariant, "rows_invariant", lambda w, *, padded: False)
     with pytest.raises(SpecMTPError, match="use float32"):
         use_row_invariant(load_model(str(tiny_target)).model)
+    # Products that pass their probe, in a model whose forwards still disagree.
+    monkeypatch.setattr(invariant, "rows_invariant", lambda w, *, padded: True)
+    monkeypatch.setattr(invariant, "forwards_agree", lambda model: False)
+    with pytest.raises(SpecMTPError, match="cannot be made exact here"):
+        use_row_invariant(load_model(str(tiny_target)).model)
+
+
+def test_the_end_to_end_check_sees_a_row_count_dependence(bf16_runner: CachedModel) -> None:
+    model = bf16_runner.model
+    assert forwards_agree(model)
+    norm = model.get_decoder().norm
+    # A last norm that shifts every row by the number of rows in the forward.
+    hook = norm.register_forward_hook(lambda module, args, out: out + 0.01 * out.shape[1])
+    try:
+        assert not forwards_agree(model)
+    finally:
+        hook.remove()
 
 
 def test_profiles_and_stock_runs_leave_the_invariant_kernels_alone(
@@ -173,3 +196,23 @@ def test_attention_features_the_loop_does_not_apply_are_refused() -> None:
     key = value = torch.randn(1, 2, 3, 4)
     with pytest.raises(SpecMTPError, match="softcap"):
         row_invariant_attention(torch.nn.Module(), query, key, value, None, softcap=30.0)
+
+
+def test_invariant_products_are_the_probed_two_dimensional_ones(
+    bf16_runner: CachedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe checks 2-D products; a BLAS may take another kernel for a 3-D input."""
+    dims: list[int] = []
+    linear = F.linear
+
+    def recording(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        dims.append(x.dim())
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(F, "linear", recording)
+    bf16_runner.reset()
+    bf16_runner.forward(_prompt(4, 6))  # [1, 6]
+    bf16_runner.forward(_prompt(5, 1))  # [1, 1]
+    assert dims and set(dims) == {2}
