@@ -341,7 +341,7 @@ class BenchResult:
             "kernels": "tuned" if tuned_linear_enabled() else "plain",
             "kernel_plan": None if self.kernel_plan is None else self.kernel_plan.by_rows,
             "kernel_layout": None if self.kernel_plan is None else self.kernel_plan.layout,
-            # "plain" or "padded" products when half-precision forwards are row-invariant
+            # "flat" or "padded" products when half-precision forwards are row-invariant
             "row_invariant": None if self.kernel_plan is None else self.kernel_plan.row_invariant,
         }
 

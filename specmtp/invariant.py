@@ -17,7 +17,8 @@ holds:
 - Matrix products. A BLAS may pick its algorithm (and so its order of additions) by the
   number of rows, or by the input's rank. `use_row_invariant` probes every weight shape of
   the model with 2-D inputs: if F.linear gives each row the same bits whatever the row
-  count, it is kept (inputs flattened to 2-D, as probed); otherwise every product runs on
+  count, it is kept, with inputs flattened to 2-D as probed ("flat"; some BLAS builds take
+  another kernel for a 3-D input of one row than of several); otherwise every product runs on
   blocks of exactly PAD_ROWS rows (zero-padded), so a row's bits never depend on the
   others. Neither passing, the model is refused.
 
@@ -128,7 +129,7 @@ def rows_invariant(weight: torch.Tensor, *, padded: bool, seed: int = 0) -> bool
 
 def use_row_invariant(model: nn.Module) -> str:
     """Make `model`'s forwards row-invariant (module docstring); returns the product kind
-    chosen, "plain" or "padded". The first kind whose products pass the per-shape probe
+    chosen, "flat" or "padded". The first kind whose products pass the per-shape probe
     and whose whole model passes `forwards_agree` is kept; neither, the model is refused."""
     weights = {
         (m.weight.shape, m.weight.dtype): m.weight
@@ -139,7 +140,7 @@ def use_row_invariant(model: nn.Module) -> str:
     if model.config._attn_implementation != ATTENTION:
         plan.stock_attention = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION)
-    for kind in ("plain", "padded"):
+    for kind in ("flat", "padded"):
         if all(rows_invariant(w, padded=kind == "padded") for w in weights.values()):
             plan.row_invariant = kind
             if forwards_agree(model):

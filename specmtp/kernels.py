@@ -72,7 +72,7 @@ class KernelPlan:
     by_rows: dict[int, str] = field(default_factory=dict)  # rows -> one of STRATEGIES
     disabled: bool = False  # F.linear everywhere for now (see stock_kernels)
     layout: str = "out-major"  # one of LAYOUTS; change it with set_weight_layout
-    # Set by invariant.use_row_invariant: the one product ("plain" or "padded") for every
+    # Set by invariant.use_row_invariant: the one product ("flat" or "padded") for every
     # row count, which measurements and profiles leave alone, and the attention the model
     # had before (restored by stock_kernels).
     row_invariant: str | None = None
@@ -127,15 +127,13 @@ class TunedLinear(nn.Linear):
         training = torch.is_grad_enabled() and self.weight.requires_grad
         if not training and x.device.type == "cpu":
             strategy = self.kernel_plan.strategy(rows)
+            if strategy == "flat":  # F.linear on 2-D rows, as invariant.py probed it
+                out = F.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+                return out.reshape(*x.shape[:-1], out.shape[-1])
             if strategy == "padded":
                 return padded_linear(x, self.weight, self.bias)
             if strategy in ("all", "even") or (strategy == "head" and self.is_head):
                 return transposed_linear(x, self.weight, self.bias, even=strategy == "even")
-            if self.kernel_plan.row_invariant is not None and not self.kernel_plan.disabled:
-                # What the probe checked: a 2-D product. Some BLAS builds take another kernel
-                # for a 3-D input of one row than of several.
-                out = F.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
-                return out.reshape(*x.shape[:-1], out.shape[-1])
         return F.linear(x, self.weight, self.bias)
 
 
