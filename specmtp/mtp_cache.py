@@ -78,29 +78,38 @@ class SequentialDraftCache:
         """Each tree node's token [B] after context [B, T], by its path of ranks.
 
         A node's children are the top candidates of the next depth run on that node's own
-        path (EAGLE-style), not on the greedy chain: depth i runs once per node of level i
-        that has children, and its cache takes the committed positions once per level.
+        path (EAGLE-style), not on the greedy chain. Depth i runs once per level, over all
+        of the level's parents stacked along the batch (one forward, not one per parent),
+        and its cache takes the committed positions once per level.
         """
         if tree.max_depth > len(self.heads.depths):
             raise SpecMTPError(
                 f"the tree is {tree.max_depth} deep; the heads have {len(self.heads.depths)} depths"
             )
         self._check(context)
+        batch = context.shape[0]
         tokens: dict[Path, torch.Tensor] = {}
         drafted: dict[Path, torch.Tensor] = {(): context[:, :0]}  # [B, len(path)]
         below: dict[Path, torch.Tensor] = {(): self.hidden}  # states the next depth reads
         for i in range(tree.max_depth):
             children = [path for path in tree.paths if len(path) == i + 1]
-            for parent in dict.fromkeys(path[:-1] for path in children):
-                ranks = [path[-1] for path in children if path[:-1] == parent]
-                states, logits, new = self._run(i, below[parent], context, drafted[parent])
-                top = self._top(logits, max(ranks) + 1)  # [B, width]
-                for rank in ranks:
+            parents = list(dict.fromkeys(path[:-1] for path in children))
+            states, logits, new = self._run(
+                i,
+                torch.cat([below[p] for p in parents]),  # [m*B, T-1, H], parent-major
+                context.repeat(len(parents), 1),
+                torch.cat([drafted[p] for p in parents]),
+            )
+            top = self._top(logits, max(path[-1] for path in children) + 1)  # [m*B, width]
+            for j, parent in enumerate(parents):
+                rows = slice(j * batch, (j + 1) * batch)
+                for rank in [path[-1] for path in children if path[:-1] == parent]:
                     path = (*parent, rank)
-                    tokens[path] = top[:, rank]
-                    drafted[path] = torch.cat([drafted[parent], top[:, rank : rank + 1]], 1)
-                    below[path] = states
-            self._commit(i, context, *new)  # the committed part is the same under every parent
+                    tokens[path] = top[rows, rank]
+                    drafted[path] = torch.cat([drafted[parent], top[rows, rank : rank + 1]], 1)
+                    below[path] = states[rows]
+            # the committed part is the same under every parent: the first's
+            self._commit(i, context, *(t[:batch] for t in new))
         return tokens
 
     def _check(self, context: torch.Tensor) -> None:
@@ -115,16 +124,22 @@ class SequentialDraftCache:
         self, i: int, below: torch.Tensor, context: torch.Tensor, drafted: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         """Depth i at the positions after its cache up to T-2, after the drafted tokens
-        [B, i] of one path; below [B, T-1, H] is what it reads at every position.
+        [B', i] of one path per row; below [B', T-1, H] is what it reads at every position.
+        B' may be a multiple m of the cache's batch B (m paths stacked, path-major): the
+        cache is shared by all of them.
 
-        Returns this depth's states at every position [B, T-1, H] (for depth i+1), its
-        logits at T-2 [B, V'], and the new positions' states, keys and values."""
+        Returns this depth's states at every position [B', T-1, H] (for depth i+1), its
+        logits at T-2 [B', V'], and the new positions' states, keys and values."""
         heads, start, last = self.heads, self.cached(i), context.shape[1] - 2
         tokens = torch.cat([context, drafted], 1)  # x_0 .. x_{T-1+i}
+        past, cached = self.kv[i], self.states[i]
+        if past is not None and cached is not None and below.shape[0] != cached.shape[0]:
+            paths = below.shape[0] // cached.shape[0]
+            past = (past[0].repeat(paths, 1, 1, 1), past[1].repeat(paths, 1, 1, 1))
+            cached = cached.repeat(paths, 1, 1)
         state, normed, (keys, values) = heads.depths[i](
-            below[:, start:], heads.embed(tokens[:, start + 1 + i : last + 2 + i]), self.kv[i]
-        )  # state, normed [B, last+1-start, H]; keys, values [B, heads, same, d]
-        cached = self.states[i]
+            below[:, start:], heads.embed(tokens[:, start + 1 + i : last + 2 + i]), past
+        )  # state, normed [B', last+1-start, H]; keys, values [B', heads, same, d]
         states = state if cached is None else torch.cat([cached, state], 1)
         return states, heads.projection(normed[:, -1]), (state, keys, values)
 

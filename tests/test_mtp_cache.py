@@ -116,6 +116,31 @@ def test_tree_children_come_from_the_depth_run_on_their_own_path(
         t += step
 
 
+def test_a_batch_of_sequences_drafts_the_trees_each_would_alone(
+    heads: SequentialMTP, target: PreTrainedModel, sequence: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """A level's parents run stacked along the batch: with two sequences in the batch,
+    every row's tree and cache must still be that sequence's own."""
+    ids = torch.cat([sequence[0], sequence[0].flip(1)])  # [2, LENGTH]
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states[-1]
+    both = SequentialDraftCache(heads)
+    alone = [SequentialDraftCache(heads) for _ in range(2)]
+    t = 7
+    both.add_hidden(hidden[:, : t - 1])
+    for row, cache in enumerate(alone):
+        cache.add_hidden(hidden[row : row + 1, : t - 1])
+    for step in (2, 1, 3):
+        tokens = both.draft_tree(ids[:, :t], TREE)
+        for row, cache in enumerate(alone):
+            own = cache.draft_tree(ids[row : row + 1, :t], TREE)
+            assert all(torch.equal(tokens[p][row : row + 1], own[p]) for p in TREE.paths), row
+            assert [both.cached(i) for i in range(3)] == [cache.cached(i) for i in range(3)]
+            cache.add_hidden(hidden[row : row + 1, t - 1 : t - 1 + step])
+        both.add_hidden(hidden[:, t - 1 : t - 1 + step])
+        t += step
+
+
 def test_cache_bytes_grow_with_the_history_and_reset_empties_it(
     heads: SequentialMTP, sequence: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
