@@ -77,12 +77,10 @@ def row_invariant_attention(
     gqa = key.shape[1] != query.shape[1]
     per_batch = []
     for b in range(batch):
+        keys, values = _RowKeys(key[b : b + 1]), _RowKeys(value[b : b + 1])
         rows = []
         for j, (prefix, extra) in enumerate(_visible_keys(attention_mask, b, n, key.shape[2])):
-            k, v = key[b : b + 1, :, :prefix], value[b : b + 1, :, :prefix]
-            if extra is not None:  # a tree row: its ancestors follow the shared prefix
-                k = torch.cat([k, key[b : b + 1].index_select(2, extra)], 2)
-                v = torch.cat([v, value[b : b + 1].index_select(2, extra)], 2)
+            k, v = keys.visible(prefix, extra), values.visible(prefix, extra)
             q = query[b : b + 1, :, j : j + 1]  # [1, H, 1, d]
             rows.append(F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa))
         per_batch.append(torch.cat(rows, 2))  # [1, H, n, d]
@@ -90,13 +88,55 @@ def row_invariant_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _visible_keys(
-    mask: torch.Tensor | None, b: int, n: int, length: int
-) -> list[tuple[int, torch.Tensor | None]]:
+class _RowKeys:
+    """One batch row's keys (or values) [1, Hkv, S, d], as each query row sees them.
+
+    A chain row sees a prefix: a view, no copy. A tree row sees the prefix, then its
+    ancestors: they are copied into one scratch buffer after a copy of the prefix, which
+    the next tree row reuses (its prefix is usually the same), so a tree of N rows copies
+    the prefix once per layer rather than N times.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.buffer: torch.Tensor | None = None
+        self.valid = 0  # leading buffer positions that hold the tensor's own
+
+    def visible(self, prefix: int, extra: torch.Tensor | None) -> torch.Tensor:
+        if extra is None:
+            return self.tensor[:, :, :prefix]
+        if self.buffer is None:
+            self.buffer = self.tensor.new_empty(self.tensor.shape)  # S >= any visible length
+        if self.valid < prefix:
+            self.buffer[:, :, self.valid : prefix] = self.tensor[:, :, self.valid : prefix]
+        end = prefix + extra.shape[0]
+        torch.index_select(self.tensor, 2, extra, out=self.buffer[:, :, prefix:end])
+        self.valid = prefix  # past it, this row's ancestors
+        return self.buffer[:, :, :end]
+
+
+VisibleKeys = list[tuple[int, torch.Tensor | None]]
+# Every layer of a forward gets the same mask: the last one read, a copy of its contents (it
+# is stale once they differ, even if the same tensor was changed in place) and what was read
+# from it per batch row.
+_last_mask: tuple[torch.Tensor, torch.Tensor, dict[tuple[int, int, int], VisibleKeys]] | None = None
+
+
+def _visible_keys(mask: torch.Tensor | None, b: int, n: int, length: int) -> VisibleKeys:
     """Per query row of batch row b: the length of the prefix of keys it sees, and the
     indices [m] of the keys it sees past that prefix (None when there are none)."""
+    global _last_mask
     if mask is None:
         return [(length - n + j + 1, None) for j in range(n)]
+    if _last_mask is None or _last_mask[0] is not mask or not torch.equal(_last_mask[1], mask):
+        _last_mask = (mask, mask.clone(), {})
+    read = _last_mask[2]
+    if (b, n, length) not in read:
+        read[b, n, length] = _read_mask(mask, b)
+    return read[b, n, length]
+
+
+def _read_mask(mask: torch.Tensor, b: int) -> VisibleKeys:
     visible = mask[b, 0] if mask.dtype == torch.bool else mask[b, 0] == 0  # [n, S]
     prefixes = visible.cumprod(-1).sum(-1)  # [n]
     rest = visible.sum(-1) - prefixes  # [n]

@@ -137,6 +137,29 @@ def test_the_attention_computes_what_sdpa_computes(mask_kind: str) -> None:
         torch.testing.assert_close(ours, stock)
 
 
+def test_rows_seeing_any_keys_get_sdpa_and_a_mask_changed_in_place_is_read_again() -> None:
+    """Rows with random prefixes and random keys past them (the scratch buffer the tree
+    rows share is reused in every order), then the same mask tensor changed in place: the
+    layers of a forward share what was read from it, so that must not outlive a change."""
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(1, 4, 9, 8, generator=generator)  # [B, H, n, d]
+    key, value = (torch.randn(1, 2, 20, 8, generator=generator) for _ in range(2))
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = 2, True, False
+    mask = torch.zeros(1, 1, 9, 20)
+    for _ in range(3):
+        visible = torch.rand(9, 20, generator=generator) < 0.5
+        prefixes = torch.randint(1, 20, (9,), generator=generator)
+        visible |= torch.arange(20) < prefixes[:, None]
+        mask.copy_(torch.zeros(9, 20).masked_fill(~visible, torch.finfo(torch.float32).min))
+        for _ in range(2):  # a second layer of the same forward
+            ours, _ = row_invariant_attention(module, query, key, value, mask, scaling=0.3)
+            reference = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=visible, scale=0.3, enable_gqa=True
+            ).transpose(1, 2)
+            torch.testing.assert_close(ours, reference)
+
+
 def test_padded_products_equal_plain_ones_and_are_row_invariant() -> None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(24, 40, generator=generator)
