@@ -61,7 +61,14 @@ def build_drafter(
         return spec, target_vocab
     if spec.startswith("ngram") and "+" in spec:
         return build_lookup_first_drafter(spec, target, dtype=dtype)
+    spec, output_vocab = split_output_vocab(spec)
     method, _, argument = spec.partition(":")
+    if output_vocab is not None and (
+        method in ("mtp", "mtp-tree", "draft", "draft-ar", "ngram") or method in SHIPPED_DRAFTS
+    ):
+        raise SpecMTPError(
+            f"{OUTPUT_VOCAB}N applies to a draft model given by name or path, not to {spec!r}"
+        )
     if method in ("mtp", "mtp-tree"):
         return build_mtp_drafter(
             spec, target, tree=method == "mtp-tree", path=argument
@@ -78,7 +85,45 @@ def build_drafter(
         target.tokenizer, draft.tokenizer, target_name=target.spec, draft_name=draft.spec
     )
     vocab = usable_vocab_size(target, draft)
-    return DraftModelDrafter(draft.model, vocab_size=vocab, name=spec), vocab
+    name = spec if output_vocab is None else f"{spec}{OUTPUT_VOCAB}{output_vocab}"
+    kept = None if output_vocab is None else output_vocab_ids(draft, output_vocab, vocab)
+    return DraftModelDrafter(draft.model, vocab_size=vocab, name=name, output_ids=kept), vocab
+
+
+OUTPUT_VOCAB = "#vocab="  # MODEL#vocab=N: the draft model scores only N tokens (plus specials)
+
+
+def split_output_vocab(spec: str) -> tuple[str, int | None]:
+    """`MODEL#vocab=N` -> (MODEL, N); a spec without the option -> (spec, None)."""
+    base, option, size = spec.partition(OUTPUT_VOCAB)
+    if not option:
+        return spec, None
+    if not size.isdigit() or int(size) < 1 or not base:
+        raise SpecMTPError(f"bad draft spec {spec!r}: use MODEL{OUTPUT_VOCAB}N with N >= 1")
+    return base, int(size)
+
+
+def output_vocab_ids(draft: LoadedModel, size: int, usable: int) -> torch.Tensor:
+    """The token ids a draft with a reduced output vocabulary may propose: the first `size`
+    ids and every special or added token (the end of turn must stay reachable).
+
+    Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen, SmolLM) number their tokens in merge
+    order, the most frequent pairs of the tokenizer's training text first, so the leading
+    ids are the common tokens (FR-Spec, Zhao et al. 2025, ranks by measured frequency
+    instead). Drafting only these changes which tokens are proposed, never what is
+    accepted: greedy verification takes the target's argmax, and under sampling the
+    draft's distribution q, zero outside these ids, is the one rejection sampling divides
+    by.
+    """
+    if size >= usable:
+        raise SpecMTPError(
+            f"{OUTPUT_VOCAB}{size} is not smaller than the draft's vocabulary ({usable} tokens)"
+        )
+    tokenizer = draft.tokenizer
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    special |= set(eos_token_ids(draft))
+    ids = sorted(set(range(size)) | {i for i in special if i < usable})
+    return torch.tensor(ids, device=draft.model.device)
 
 
 def build_lookup_first_drafter(

@@ -16,7 +16,9 @@ from transformers import PreTrainedModel
 from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors
 from specmtp.config import SamplingConfig
 from specmtp.draft_model import DraftLM
+from specmtp.errors import SpecMTPError
 from specmtp.heads import Heads, SequentialMTP
+from specmtp.kernels import TunedLinear
 from specmtp.mtp_cache import SequentialDraftCache
 from specmtp.sampling import choose, logits_to_probs
 from specmtp.tree import TokenTree, build_tree_tokens
@@ -227,6 +229,11 @@ class DraftModelDrafter:
     With `heads` (a `draft_model.DraftLM` whose MTP heads are used), each draft forward
     proposes 1 + K tokens: the next one from its LM head, the K after it from its heads,
     all read off the same hidden state; the next forward feeds those tokens at once.
+
+    With `output_ids` [N] (a reduced output vocabulary), the model's LM head is cut to
+    those rows, so each draft step scores N tokens instead of V; its logits are put back
+    in the full vocabulary with -inf elsewhere, so q is a distribution over V that is zero
+    off those ids.
     """
 
     def __init__(
@@ -236,10 +243,14 @@ class DraftModelDrafter:
         vocab_size: int,
         name: str = "draft",
         multi_token: bool = False,
+        output_ids: torch.Tensor | None = None,
     ) -> None:
         if multi_token and getattr(model, "heads", None) is None:
             raise ValueError("multi-token drafting needs a draft with MTP heads")
         self.multi_token = multi_token
+        self.output_ids = output_ids
+        if output_ids is not None:
+            restrict_output_vocab(model, output_ids)
         self.runner = CachedModel(model, vocab_size=vocab_size, name=name, keep_hidden=multi_token)
         self.name = name
         self.needs_target_hidden = False
@@ -269,7 +280,7 @@ class DraftModelDrafter:
         tokens: list[torch.Tensor] = []  # each [B]
         probs: list[torch.Tensor | None] = []  # each [B, V] (sampling)
         while len(tokens) < k:
-            logits = self.runner.forward(fresh, last_only=True)[:, -1]  # [B, V]
+            logits = self._full(self.runner.forward(fresh, last_only=True)[:, -1])  # [B, V]
             self.fed = torch.cat([self.fed, fresh], 1)
             step = [logits, *self._head_logits()][: k - len(tokens)]  # each [B, V]
             for row in step:
@@ -281,6 +292,14 @@ class DraftModelDrafter:
         if not tokens:
             return empty_proposal(context.shape[0], context.device)
         return Proposal(torch.stack(tokens, 1), draft_probs)
+
+    def _full(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [B, N] over the output ids -> [B, V]; full-vocabulary logits as they are."""
+        if self.output_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.runner.vocab_size), float("-inf"))
+        full[:, self.output_ids] = logits
+        return full
 
     @torch.inference_mode()
     def _head_logits(self) -> list[torch.Tensor]:
@@ -303,6 +322,26 @@ class DraftModelDrafter:
 
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.runner.model)
+
+
+def restrict_output_vocab(model: PreTrainedModel | DraftLM, ids: torch.Tensor) -> None:
+    """Cut a Hugging Face model's LM head to the rows `ids` [N] (a copy: a head tied to the
+    input embedding is untied, the embedding keeps every token)."""
+    if not isinstance(model, PreTrainedModel):
+        raise SpecMTPError("a reduced output vocabulary needs a Hugging Face draft model")
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.weight.shape[0] <= int(ids.max()):
+        raise SpecMTPError(f"{type(model).__name__} has no LM head to cut to {len(ids)} tokens")
+    bias = head.bias is not None
+    cut = torch.nn.Linear(head.in_features, len(ids), bias=bias, device=ids.device)
+    with torch.no_grad():
+        cut.weight = torch.nn.Parameter(head.weight[ids].clone(), requires_grad=False)
+        if head.bias is not None:
+            cut.bias = torch.nn.Parameter(head.bias[ids].clone(), requires_grad=False)
+    if isinstance(head, TunedLinear):  # the same kernel plan as the head it replaces
+        cut.__class__, cut.kernel_plan, cut.is_head = TunedLinear, head.kernel_plan, True
+    model.config.tie_word_embeddings = False
+    model.set_output_embeddings(cut)
 
 
 class MTPDrafter:
