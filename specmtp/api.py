@@ -30,6 +30,7 @@ from specmtp.errors import SpecMTPError
 from specmtp.heads import load_heads, shipped_heads_dir
 from specmtp.kernels import apply_kernel_plan, tuned_linear_enabled, use_tuned_linear
 from specmtp.models import LoadedModel, check_tokenizers_agree, load_model, usable_vocab_size
+from specmtp.output_vocab import OUTPUT_VOCAB, output_vocab_ids, split_output_vocab
 from specmtp.profile import Profile, check_profile_weights, weights_fingerprint
 from specmtp.stats import GenerationStats
 from specmtp.tree import TREE_FILE, TokenTree
@@ -88,42 +89,6 @@ def build_drafter(
     name = spec if output_vocab is None else f"{spec}{OUTPUT_VOCAB}{output_vocab}"
     kept = None if output_vocab is None else output_vocab_ids(draft, output_vocab, vocab)
     return DraftModelDrafter(draft.model, vocab_size=vocab, name=name, output_ids=kept), vocab
-
-
-OUTPUT_VOCAB = "#vocab="  # MODEL#vocab=N: the draft model scores only N tokens (plus specials)
-
-
-def split_output_vocab(spec: str) -> tuple[str, int | None]:
-    """`MODEL#vocab=N` -> (MODEL, N); a spec without the option -> (spec, None)."""
-    base, option, size = spec.partition(OUTPUT_VOCAB)
-    if not option:
-        return spec, None
-    if not size.isdigit() or int(size) < 1 or not base:
-        raise SpecMTPError(f"bad draft spec {spec!r}: use MODEL{OUTPUT_VOCAB}N with N >= 1")
-    return base, int(size)
-
-
-def output_vocab_ids(draft: LoadedModel, size: int, usable: int) -> torch.Tensor:
-    """The token ids a draft with a reduced output vocabulary may propose: the first `size`
-    ids and every special or added token (the end of turn must stay reachable).
-
-    Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen, SmolLM) number their tokens in merge
-    order, the most frequent pairs of the tokenizer's training text first, so the leading
-    ids are the common tokens (FR-Spec, Zhao et al. 2025, ranks by measured frequency
-    instead). Drafting only these changes which tokens are proposed, never what is
-    accepted: greedy verification takes the target's argmax, and under sampling the
-    draft's distribution q, zero outside these ids, is the one rejection sampling divides
-    by.
-    """
-    if size >= usable:
-        raise SpecMTPError(
-            f"{OUTPUT_VOCAB}{size} is not smaller than the draft's vocabulary ({usable} tokens)"
-        )
-    tokenizer = draft.tokenizer
-    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
-    special |= set(eos_token_ids(draft))
-    ids = sorted(set(range(size)) | {i for i in special if i < usable})
-    return torch.tensor(ids, device=draft.model.device)
 
 
 def build_lookup_first_drafter(

@@ -16,10 +16,9 @@ from transformers import PreTrainedModel
 from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors
 from specmtp.config import SamplingConfig
 from specmtp.draft_model import DraftLM
-from specmtp.errors import SpecMTPError
 from specmtp.heads import Heads, SequentialMTP
-from specmtp.kernels import TunedLinear
 from specmtp.mtp_cache import SequentialDraftCache
+from specmtp.output_vocab import restrict_output_vocab
 from specmtp.sampling import choose, logits_to_probs
 from specmtp.tree import TokenTree, build_tree_tokens
 
@@ -322,26 +321,6 @@ class DraftModelDrafter:
 
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.runner.model)
-
-
-def restrict_output_vocab(model: PreTrainedModel | DraftLM, ids: torch.Tensor) -> None:
-    """Cut a Hugging Face model's LM head to the rows `ids` [N] (a copy: a head tied to the
-    input embedding is untied, the embedding keeps every token)."""
-    if not isinstance(model, PreTrainedModel):
-        raise SpecMTPError("a reduced output vocabulary needs a Hugging Face draft model")
-    head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear) or head.weight.shape[0] <= int(ids.max()):
-        raise SpecMTPError(f"{type(model).__name__} has no LM head to cut to {len(ids)} tokens")
-    bias = head.bias is not None
-    cut = torch.nn.Linear(head.in_features, len(ids), bias=bias, device=ids.device)
-    with torch.no_grad():
-        cut.weight = torch.nn.Parameter(head.weight[ids].clone(), requires_grad=False)
-        if head.bias is not None:
-            cut.bias = torch.nn.Parameter(head.bias[ids].clone(), requires_grad=False)
-    if isinstance(head, TunedLinear):  # the same kernel plan as the head it replaces
-        cut.__class__, cut.kernel_plan, cut.is_head = TunedLinear, head.kernel_plan, True
-    model.config.tie_word_embeddings = False
-    model.set_output_embeddings(cut)
 
 
 class MTPDrafter:

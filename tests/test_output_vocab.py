@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from specmtp.api import SpecGenerator, build_drafter, split_output_vocab
+from specmtp.api import SpecGenerator, build_drafter
 from specmtp.config import SamplingConfig
 from specmtp.drafters import DraftModelDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.models import load_model
+from specmtp.output_vocab import split_output_vocab
 
 KEPT = 3000  # of the default tokenizer's 49,152 ids
 

@@ -1,0 +1,74 @@
+"""A reduced output vocabulary for a draft model: `--draft MODEL#vocab=N`.
+
+A small draft with a large vocabulary spends much of each step on its output matrix (the
+Qwen2.5 0.5B model: 151,936 x 896 of its weights). Cutting the LM head to the tokens it is
+likely to propose makes every draft step cheaper. Only the drafts change, never what is
+accepted: greedy verification takes the target's argmax, and under sampling the draft's
+distribution q, zero off the kept ids, is the one rejection sampling divides by.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from specmtp.errors import SpecMTPError
+from specmtp.kernels import TunedLinear
+from specmtp.models import LoadedModel
+
+OUTPUT_VOCAB = "#vocab="  # MODEL#vocab=N: the draft model scores only N tokens (plus specials)
+
+
+def split_output_vocab(spec: str) -> tuple[str, int | None]:
+    """`MODEL#vocab=N` -> (MODEL, N); a spec without the option -> (spec, None)."""
+    base, option, size = spec.partition(OUTPUT_VOCAB)
+    if not option:
+        return spec, None
+    if not size.isdigit() or int(size) < 1 or not base:
+        raise SpecMTPError(f"bad draft spec {spec!r}: use MODEL{OUTPUT_VOCAB}N with N >= 1")
+    return base, int(size)
+
+
+def output_vocab_ids(draft: LoadedModel, size: int, usable: int) -> torch.Tensor:
+    """The token ids a draft with a reduced output vocabulary may propose: the first `size`
+    ids and every special or added token (the end of turn must stay reachable).
+
+    Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen, SmolLM) number their tokens in merge
+    order, the most frequent pairs of the tokenizer's training text first, so the leading
+    ids are the common tokens (FR-Spec, Zhao et al. 2025, ranks by measured frequency
+    instead).
+    """
+    if size >= usable:
+        raise SpecMTPError(
+            f"{OUTPUT_VOCAB}{size} is not smaller than the draft's vocabulary ({usable} tokens)"
+        )
+    tokenizer = draft.tokenizer
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    special |= set(_eos_ids(draft.model))
+    ids = sorted(set(range(size)) | {i for i in special if i < usable})
+    return torch.tensor(ids, device=draft.model.device)
+
+
+def restrict_output_vocab(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    """Cut a Hugging Face model's LM head to the rows `ids` [N] (a copy: a head tied to the
+    input embedding is untied, the embedding keeps every token)."""
+    if not isinstance(model, PreTrainedModel):
+        raise SpecMTPError("a reduced output vocabulary needs a Hugging Face draft model")
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.weight.shape[0] <= int(ids.max()):
+        raise SpecMTPError(f"{type(model).__name__} has no LM head to cut to {len(ids)} tokens")
+    bias = head.bias is not None
+    cut = torch.nn.Linear(head.in_features, len(ids), bias=bias, device=ids.device)
+    with torch.no_grad():
+        cut.weight = torch.nn.Parameter(head.weight[ids].clone(), requires_grad=False)
+        if head.bias is not None:
+            cut.bias = torch.nn.Parameter(head.bias[ids].clone(), requires_grad=False)
+    if isinstance(head, TunedLinear):  # the same kernel plan as the head it replaces
+        cut.__class__, cut.kernel_plan, cut.is_head = TunedLinear, head.kernel_plan, True
+    model.config.tie_word_embeddings = False
+    model.set_output_embeddings(cut)
+
+
+def _eos_ids(model: PreTrainedModel) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
