@@ -32,7 +32,7 @@ from specmtp.api import SpecGenerator, eos_token_ids, gamma_settings
 from specmtp.bench_results import BASELINE, MethodResult, PromptRun, table
 from specmtp.config import GenerationConfig
 from specmtp.costmodel import CostModel, measure_verify_costs
-from specmtp.drafters import has_arms
+from specmtp.drafters import drafter_tree, has_arms
 from specmtp.errors import SpecMTPError
 from specmtp.hf_baselines import HFGenerator, HFRun, HFSettings, hf_default_assisted
 from specmtp.kernels import (
@@ -262,6 +262,15 @@ def measure(
     return runs
 
 
+def typical_context(ids: Sequence[list[int]], plain: Sequence[PromptRun]) -> list[int]:
+    """What T(n) is timed after: the prompt of median length and the first half of plain
+    decoding's answer to it, the context of a verify pass midway through a typical answer
+    (the per-row attention of bfloat16 runs costs more over longer contexts)."""
+    median = sorted(range(len(ids)), key=lambda i: len(ids[i]))[len(ids) // 2]
+    answer = plain[median].tokens
+    return [*ids[median], *answer[: len(answer) // 2]]
+
+
 def measure_costs(
     runners: dict[str, Runner],
     runs: dict[str, list[PromptRun]],
@@ -269,20 +278,26 @@ def measure_costs(
     log: Log,
     repeats: int = 5,
 ) -> dict[str, CostModel]:
-    """T(n) of each of our methods' target (as it runs there: MTP keeps hidden states), up
-    to the largest verify pass that method made. Methods take turns, sweep by sweep, so a
-    change in machine load moves every method's costs alike; medians over `repeats`."""
+    """T(n) of each of our methods' target (as it runs there: MTP keeps hidden states, a
+    tree drafter's passes are tree forwards), up to the largest verify pass that method
+    made. Methods take turns, sweep by sweep, so a change in machine load moves every
+    method's costs alike; medians over `repeats`."""
     sizes = {
         name: max(n for r in runs[name] for n in r.stats.verify_sizes)
         for name, runner in runners.items()
         if isinstance(runner, SpecRunner)
     }
-    log(f"measuring T(n) of each method's target: {sizes}")
+    log(f"measuring T(n) of each method's target after {len(ids)} tokens: {sizes}")
     sweeps: dict[str, list[tuple[float, ...]]] = {name: [] for name in sizes}
     for _ in range(repeats):
         for name, largest in sizes.items():
-            target = runners[name].gen.decoder.target
-            sweeps[name].append(measure_verify_costs(target, ids, max_tokens=largest, repeats=1))
+            decoder = runners[name].gen.decoder
+            context = ids[: max(2, decoder.context_length - largest)]
+            tree = drafter_tree(decoder.drafter)
+            costs = measure_verify_costs(
+                decoder.target, context, max_tokens=largest, repeats=1, tree=tree
+            )
+            sweeps[name].append(costs)
     return {
         name: CostModel(tuple(statistics.median(t) for t in zip(*rows, strict=True)))
         for name, rows in sweeps.items()
@@ -399,7 +414,7 @@ def _pass(
     log: Log,
 ) -> dict[str, MethodResult]:
     runs = measure(runners, prompts, ids, generation, config.repeats, log)
-    costs = measure_costs(runners, runs, ids[0], log)
+    costs = measure_costs(runners, runs, typical_context(ids, runs[BASELINE]), log)
     return summarize(runners, runs, costs, generation.sampling.greedy)
 
 

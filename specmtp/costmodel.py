@@ -20,12 +20,15 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specmtp.cache import CachedModel
 from specmtp.errors import SpecMTPError
+
+if TYPE_CHECKING:
+    from specmtp.tree import TokenTree
 
 
 def expected_tokens(alphas: Sequence[float], k: int) -> float:
@@ -129,11 +132,22 @@ def fit_draft_cost(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
 
 @torch.inference_mode()
 def measure_verify_costs(
-    runner: CachedModel, prompt_ids: Sequence[int], *, max_tokens: int, repeats: int = 5
+    runner: CachedModel,
+    prompt_ids: Sequence[int],
+    *,
+    max_tokens: int,
+    repeats: int = 5,
+    tree: TokenTree | None = None,
 ) -> tuple[float, ...]:
     """T(n) for n = 1..max_tokens after a prefill of `prompt_ids`: the median of `repeats`
     timed forwards, each rolled back. Sizes are interleaved so machine noise hits all alike.
+
+    With a tree, a forward of n tokens is the root and the tree's first n - 1 nodes with
+    their tree mask, as a tree drafter's verify pass is (past the tree's size, a chain):
+    with row-invariant attention a tree row costs more than a chain row.
     """
+    from specmtp.tree import TokenTree, tree_forward  # tree.py imports kernels, which imports us
+
     if max_tokens < 1 or repeats < 1 or len(prompt_ids) < 2:
         raise SpecMTPError("measuring T(n) needs max_tokens >= 1, repeats >= 1, a 2-token prompt")
     ids = torch.tensor([list(prompt_ids)], device=runner.device)  # [1, P]
@@ -141,11 +155,19 @@ def measure_verify_costs(
     runner.forward(ids[:, :-1], last_only=True)
     past = runner.length
     tokens = ids[:, -1:].repeat(1, max_tokens)  # [1, max_tokens]: content does not change cost
+    shapes = {
+        n: TokenTree(tree.paths[: n - 1])
+        for n in range(2, max_tokens + 1)
+        if tree is not None and n - 1 <= tree.num_nodes
+    }
     times: dict[int, list[float]] = {n: [] for n in range(1, max_tokens + 1)}
     for _ in range(repeats + 1):  # the first sweep warms every shape up and is dropped
         for n in times:
             start = time.perf_counter()
-            runner.forward(tokens[:, :n])
+            if n in shapes:
+                tree_forward(runner, shapes[n], tokens[:, :1], tokens[:, 1:n])
+            else:
+                runner.forward(tokens[:, :n])
             times[n].append(time.perf_counter() - start)
             runner.crop(past)
     runner.reset()

@@ -160,6 +160,14 @@ def drafter_arm(drafter: Drafter, context: torch.Tensor) -> str:
     return drafter.next_arm(context) if has_arms(drafter) else ""  # type: ignore[attr-defined]
 
 
+def drafter_tree(drafter: Drafter | None) -> TokenTree | None:
+    """The token tree a drafter verifies with (a lookup-first drafter: its fallback's), or
+    None for chain drafters."""
+    if isinstance(drafter, LookupFirstDrafter):
+        return drafter_tree(drafter.fallback)
+    return getattr(drafter, "tree", None) if isinstance(drafter, MTPDrafter) else None
+
+
 class LookupFirstDrafter:
     """Prompt lookup first, a model drafter otherwise: each round drafts what followed the
     latest earlier occurrence of the context's last n >= 2 tokens when there is one (copied

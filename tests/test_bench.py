@@ -16,10 +16,12 @@ import pytest
 from conftest import run_captured, run_cli
 
 from specmtp.api import AUTO_MAX_GAMMA
-from specmtp.bench import _verify_rows, build_runner
+from specmtp.bench import _verify_rows, build_runner, typical_context
+from specmtp.bench_results import PromptRun
 from specmtp.cli import main
 from specmtp.config import GenerationConfig
 from specmtp.models import load_model
+from specmtp.stats import GenerationStats
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SUITE = "mt_bench"  # the prompt file's folder: results are grouped by SUITE/category
@@ -372,3 +374,12 @@ def test_the_kernel_plan_covers_the_verify_passes_to_come(methods: list[str], ro
     target = load_model("default")
     runners = {m: build_runner(m, target, GenerationConfig()) for m in methods}
     assert _verify_rows(runners) == rows
+
+
+def test_costs_are_timed_after_the_median_prompt_and_half_its_plain_answer() -> None:
+    ids = [[1, 2, 3], [4] * 10, [5] * 5]
+    plain = [
+        PromptRun(i, "g", tokens, GenerationStats(gamma=1))
+        for i, tokens in enumerate([[7], [8] * 6, list(range(20, 28))])
+    ]
+    assert typical_context(ids, plain) == [5] * 5 + [20, 21, 22, 23]

@@ -27,6 +27,7 @@ from specmtp.costmodel import (
 from specmtp.decode import SpecDecoder
 from specmtp.drafters import Drafter, DraftModelDrafter, NgramDrafter, Outcome, Proposal
 from specmtp.errors import SpecMTPError
+from specmtp.tree import TokenTree
 
 PROMPT = [5, 17, 3, 88, 41, 5, 17, 3, 60, 2]
 
@@ -260,6 +261,28 @@ def test_measure_verify_costs_on_a_tiny_model_leaves_the_cache_empty() -> None:
     with torch.no_grad():
         want = model(torch.tensor([PROMPT])).logits
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_tree_drafters_costs_are_timed_with_tree_forwards() -> None:
+    """With a tree, n tokens are the root and the tree's first n - 1 nodes under their tree
+    mask (sizes past the tree: a chain), each after the same prefill."""
+    runner = CachedModel(tiny_model("llama", seed=0), vocab_size=TINY_VOCAB)
+    calls: list[tuple[int, int, tuple[int, ...] | None]] = []  # (past, tokens, mask shape)
+    forward = runner.forward
+
+    def spy(tokens: torch.Tensor, **kwargs: torch.Tensor | bool | None) -> torch.Tensor:
+        mask = kwargs.get("attention_mask")
+        shape = None if not isinstance(mask, torch.Tensor) else tuple(mask.shape)
+        calls.append((runner.length, tokens.shape[1], shape))
+        return forward(tokens, **kwargs)  # type: ignore[arg-type]
+
+    runner.forward = spy  # type: ignore[method-assign]
+    tree = TokenTree(((0,), (1,), (0, 0)))
+    costs = measure_verify_costs(runner, PROMPT, max_tokens=5, repeats=1, tree=tree)
+    assert len(costs) == 5 and runner.length == 0
+    past = len(PROMPT) - 1
+    trees = [(past, n, (1, 1, n, past + n)) for n in (2, 3, 4)]
+    assert calls[1:] == [(past, 1, None), *trees, (past, 5, None)] * 2  # warm-up, then timed
 
 
 @pytest.mark.parametrize(
