@@ -87,7 +87,9 @@ def build_drafter(
     )
     vocab = usable_vocab_size(target, draft)
     name = spec if output_vocab is None else f"{spec}{OUTPUT_VOCAB}{output_vocab}"
-    kept = None if output_vocab is None else output_vocab_ids(draft, output_vocab, vocab)
+    kept = None
+    if output_vocab is not None:
+        kept = output_vocab_ids(draft, output_vocab, vocab, always=eos_token_ids(draft))
     return DraftModelDrafter(draft.model, vocab_size=vocab, name=name, output_ids=kept), vocab
 
 

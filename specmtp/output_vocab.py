@@ -9,6 +9,8 @@ distribution q, zero off the kept ids, is the one rejection sampling divides by.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import PreTrainedModel
 
@@ -29,9 +31,11 @@ def split_output_vocab(spec: str) -> tuple[str, int | None]:
     return base, int(size)
 
 
-def output_vocab_ids(draft: LoadedModel, size: int, usable: int) -> torch.Tensor:
+def output_vocab_ids(
+    draft: LoadedModel, size: int, usable: int, *, always: Sequence[int] = ()
+) -> torch.Tensor:
     """The token ids a draft with a reduced output vocabulary may propose: the first `size`
-    ids and every special or added token (the end of turn must stay reachable).
+    ids, every special or added token and `always` (the end of turn must stay reachable).
 
     Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen, SmolLM) number their tokens in merge
     order, the most frequent pairs of the tokenizer's training text first, so the leading
@@ -44,7 +48,7 @@ def output_vocab_ids(draft: LoadedModel, size: int, usable: int) -> torch.Tensor
         )
     tokenizer = draft.tokenizer
     special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
-    special |= set(_eos_ids(draft.model))
+    special |= set(always)
     ids = sorted(set(range(size)) | {i for i in special if i < usable})
     return torch.tensor(ids, device=draft.model.device)
 
@@ -58,17 +62,11 @@ def restrict_output_vocab(model: torch.nn.Module, ids: torch.Tensor) -> None:
     if not isinstance(head, torch.nn.Linear) or head.weight.shape[0] <= int(ids.max()):
         raise SpecMTPError(f"{type(model).__name__} has no LM head to cut to {len(ids)} tokens")
     bias = head.bias is not None
-    cut = torch.nn.Linear(head.in_features, len(ids), bias=bias, device=ids.device)
-    with torch.no_grad():
-        cut.weight = torch.nn.Parameter(head.weight[ids].clone(), requires_grad=False)
-        if head.bias is not None:
-            cut.bias = torch.nn.Parameter(head.bias[ids].clone(), requires_grad=False)
+    cut = torch.nn.Linear(head.in_features, len(ids), bias=bias, device="meta")  # no init
+    cut.weight = torch.nn.Parameter(head.weight.detach()[ids].clone(), requires_grad=False)
+    if head.bias is not None:
+        cut.bias = torch.nn.Parameter(head.bias.detach()[ids].clone(), requires_grad=False)
     if isinstance(head, TunedLinear):  # the same kernel plan as the head it replaces
         cut.__class__, cut.kernel_plan, cut.is_head = TunedLinear, head.kernel_plan, True
     model.config.tie_word_embeddings = False
     model.set_output_embeddings(cut)
-
-
-def _eos_ids(model: PreTrainedModel) -> list[int]:
-    ids = model.generation_config.eos_token_id
-    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
