@@ -385,22 +385,6 @@ def test_adaptive_uses_a_given_cost_model_when_it_covers_gamma(
     assert measurements == [5, 7]  # too short for γ = 6
 
 
-def test_adaptive_choices_follow_the_drafter(target: PreTrainedModel, reference: list[int]) -> None:
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=4, schedule="adaptive")
-    useless = make_decoder(target, make_drafter("unrelated", target)).generate(PROMPT, config)
-    assert useless.tokens == reference
-    gammas = useless.stats.requested_gammas
-    assert gammas.get(0, 0) > useless.stats.rounds / 2  # mostly plain decoding
-    # A free, always-right drafter: long drafts nearly every round (the first round's
-    # choice rests on the prior only, and the last rounds may be cut by max_new_tokens).
-    # Not the target drafting for itself: see ScriptDrafter.
-    oracle = make_decoder(target, ScriptDrafter(PROMPT + reference)).generate(PROMPT, config)
-    assert oracle.tokens == reference
-    gammas = oracle.stats.requested_gammas
-    assert sum(n for k, n in gammas.items() if k >= 3) >= oracle.stats.rounds - 3
-    assert oracle.stats.mean_accepted_tokens > 3
-
-
 # --- seeded sampling ---------------------------------------------------------------------
 
 
@@ -438,16 +422,11 @@ VERIFY_S = 1e-3  # fake seconds per target forward, whatever its size
 DRAFT_S = 3e-4  # fake seconds per draft token: dear enough that γ varies
 
 
-def sample_on_fake_clock(
-    monkeypatch: pytest.MonkeyPatch,
-    target: PreTrainedModel,
-    *,
-    seed: int,
-    draft_per_token_s: float,
-) -> tuple[list[int], dict[int, int]]:
-    clock = FakeTime()
+def decode_on_fake_clock(
+    monkeypatch: pytest.MonkeyPatch, target: PreTrainedModel, drafter: Drafter, clock: FakeTime
+) -> SpecDecoder:
+    """A decoder whose target forwards each take VERIFY_S on `clock`, whatever their size."""
     monkeypatch.setattr(decode, "time", clock)
-    drafter = ClockedDrafter(perturbed_copy(target, scale=0.1, seed=1), clock, draft_per_token_s)
     decoder = make_decoder(target, drafter, cost_model=CostModel((VERIFY_S,) * 5))
     forward = decoder.target.forward
 
@@ -456,6 +435,19 @@ def sample_on_fake_clock(
         return forward(tokens, **kwargs)
 
     monkeypatch.setattr(decoder.target, "forward", timed_forward)
+    return decoder
+
+
+def sample_on_fake_clock(
+    monkeypatch: pytest.MonkeyPatch,
+    target: PreTrainedModel,
+    *,
+    seed: int,
+    draft_per_token_s: float,
+) -> tuple[list[int], dict[int, int]]:
+    clock = FakeTime()
+    drafter = ClockedDrafter(perturbed_copy(target, scale=0.1, seed=1), clock, draft_per_token_s)
+    decoder = decode_on_fake_clock(monkeypatch, target, drafter, clock)
     config = GenerationConfig(
         max_new_tokens=NEW_TOKENS,
         gamma=4,
@@ -465,6 +457,30 @@ def sample_on_fake_clock(
     )
     result = decoder.generate(PROMPT, config)
     return result.tokens, result.stats.requested_gammas
+
+
+def test_adaptive_choices_follow_the_drafter(
+    monkeypatch: pytest.MonkeyPatch, target: PreTrainedModel, reference: list[int]
+) -> None:
+    """On a fake clock (a target forward costs VERIFY_S, a draft token DRAFT_S) the choices
+    depend on the acceptances only, not on how busy the machine running the tests is."""
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=4, schedule="adaptive")
+    clock = FakeTime()
+    unrelated = ClockedDrafter(tiny_model("llama", seed=99), clock, DRAFT_S)
+    useless = decode_on_fake_clock(monkeypatch, target, unrelated, clock).generate(PROMPT, config)
+    assert useless.tokens == reference
+    gammas = useless.stats.requested_gammas
+    assert gammas.get(0, 0) > useless.stats.rounds / 2  # mostly plain decoding
+    # A free, always-right drafter: long drafts nearly every round (the first round's
+    # choice rests on the prior only, and the last rounds may be cut by max_new_tokens).
+    # Not the target drafting for itself: see ScriptDrafter.
+    clock = FakeTime()
+    oracle = decode_on_fake_clock(monkeypatch, target, ScriptDrafter(PROMPT + reference), clock)
+    result = oracle.generate(PROMPT, config)
+    assert result.tokens == reference
+    gammas = result.stats.requested_gammas
+    assert sum(n for k, n in gammas.items() if k >= 3) >= result.stats.rounds - 3
+    assert result.stats.mean_accepted_tokens > 3
 
 
 def test_adaptive_sampling_is_reproducible_for_a_seed_when_timings_repeat(
