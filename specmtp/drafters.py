@@ -19,7 +19,7 @@ from specmtp.draft_model import DraftLM
 from specmtp.heads import Heads, SequentialMTP
 from specmtp.mtp_cache import SequentialDraftCache
 from specmtp.output_vocab import restrict_output_vocab
-from specmtp.sampling import choose, logits_to_probs
+from specmtp.sampling import choose, greedy_tokens, logits_to_probs
 from specmtp.tree import TokenTree, build_tree_tokens
 
 
@@ -292,7 +292,7 @@ class DraftModelDrafter:
             step = [logits, *self._head_logits()][: k - len(tokens)]  # each [B, V]
             for row in step:
                 q = None if sampling.greedy else logits_to_probs(row, sampling)  # [B, V]
-                tokens.append(row.argmax(-1) if q is None else choose(q, sampling, generator))
+                tokens.append(greedy_tokens(row) if q is None else choose(q, sampling, generator))
                 probs.append(q)
             fresh = torch.stack(tokens[-len(step) :], 1)  # [B, m]: fed next, if more needed
         draft_probs = None if sampling.greedy or not probs else torch.stack(probs, 1)  # [B,k,V]
@@ -398,7 +398,7 @@ class MTPDrafter:
             return Proposal(self.history.draft(context, k)[0], None)
         logits = self._head_logits(k)  # [B, k, V] full vocabulary
         if sampling.greedy:
-            return Proposal(logits.argmax(-1), None)
+            return Proposal(greedy_tokens(logits), None)
         q = logits_to_probs(logits, sampling)  # [B, k, V]: each head's own distribution
         return Proposal(choose(q, sampling, generator), q)
 

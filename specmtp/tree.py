@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 from specmtp.cache import CachedModel
 from specmtp.errors import SpecMTPError
 from specmtp.invariant import ATTENTION as ROW_INVARIANT_ATTENTION
-from specmtp.sampling import sample
+from specmtp.sampling import greedy_tokens, sample
 from specmtp.verification import residual
 
 Path = tuple[int, ...]  # child ranks from the root: (0, 1) = 2nd candidate under the 1st
@@ -233,7 +233,7 @@ def verify_tree_greedy(
     target_logits [B, N+1, V]: row i scores the token after position i (0: the root)
     """
     device = node_tokens.device
-    target_argmax = target_logits.argmax(-1)  # [B, N+1]
+    target_argmax = greedy_tokens(target_logits)  # [B, N+1]
     parents = torch.tensor(tree.parents, device=device)  # [N]
     match = node_tokens == target_argmax[:, parents]  # [B, N]
     # A node is accepted when it and all its ancestors match.

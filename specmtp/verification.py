@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specmtp.sampling import sample
+from specmtp.sampling import greedy_tokens, sample
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Ve
     target_logits [B, k+1, V]: row i scores the token after draft i (row 0: after the context)
     """
     k = draft_tokens.shape[1]
-    target_argmax = target_logits.argmax(-1)  # [B, k+1]
+    target_argmax = greedy_tokens(target_logits)  # [B, k+1]
     num_accepted = _accepted_prefix(draft_tokens == target_argmax[:, :k])  # [B]
     next_tokens = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
     return Verdict(num_accepted, next_tokens)

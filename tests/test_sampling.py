@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (
 )
 
 from specmtp.config import SamplingConfig
-from specmtp.sampling import logits_to_probs
+from specmtp.sampling import greedy_tokens, logits_to_probs
 from specmtp.verification import verify_greedy, verify_rejection_sampling
 
 
@@ -43,6 +43,17 @@ def test_greedy_probs_are_one_hot_argmax() -> None:
     probs = logits_to_probs(logits, SamplingConfig())
     assert torch.equal(probs.argmax(-1), logits.argmax(-1))
     assert torch.equal(probs.sum(-1), torch.ones(3, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_tokens_is_the_first_maximum_in_the_logits_own_values(dtype: torch.dtype) -> None:
+    """Ties (values that only differ past the dtype's precision) keep the first index, and
+    bfloat16's range (beyond float16's) survives."""
+    big = 1e30 if dtype == torch.bfloat16 else 1e4
+    logits = torch.tensor([[1.0, 3.0, 3.0, -2.0], [-big, big / 2, big, big]]).to(dtype)
+    assert greedy_tokens(logits).tolist() == [1, 2]
+    random = torch.randn(5, 7, 300, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert torch.equal(greedy_tokens(random), random.argmax(-1))
 
 
 def test_verify_greedy_accepts_the_matching_prefix_per_row() -> None:
