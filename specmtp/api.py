@@ -35,6 +35,8 @@ from specmtp.profile import Profile, check_profile_weights, weights_fingerprint
 from specmtp.stats import GenerationStats
 from specmtp.tree import TREE_FILE, TokenTree
 
+TREE_NODES = "#nodes="  # mtp-tree#nodes=N: verify the drafted tree's N likeliest nodes a round
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -51,7 +53,8 @@ def build_drafter(
     This is the one place that dispatches on the spec: `ngram` or `ngram:N` (longest
     n-gram N); `mtp` / `mtp:HEADS_DIR` (MTP heads drafting a chain); `mtp-tree`,
     `mtp-tree:HEADS_DIR` (a tree, from the heads' tree.json) or `mtp-tree:TREE.json` (a
-    custom tree on the shipped heads); `general`, `distilled`, `distilled-mtp` (drafts shipped
+    custom tree on the shipped heads), each with `#nodes=N` for a dynamic tree (the tree's N
+    likeliest nodes each round); `general`, `distilled`, `distilled-mtp` (drafts shipped
     for the default model; `distilled-mtp-ar` drafts with its LM head alone) or
     `draft:DIR` / `draft-ar:DIR` (one made by `specmtp distill`); `ngram+SPEC` or
     `ngram:N+SPEC` (prompt lookup when the context's last 2..N tokens occurred before, SPEC
@@ -62,8 +65,11 @@ def build_drafter(
         return spec, target_vocab
     if spec.startswith("ngram") and "+" in spec:
         return build_lookup_first_drafter(spec, target, dtype=dtype)
+    spec, nodes = split_tree_nodes(spec)
     spec, output_vocab = split_output_vocab(spec)
     method, _, argument = spec.partition(":")
+    if nodes is not None and method != "mtp-tree":
+        raise SpecMTPError(f"{TREE_NODES}N applies to mtp-tree drafters, not to {spec!r}")
     if output_vocab is not None and (
         method in ("mtp", "mtp-tree", "draft", "draft-ar", "ngram") or method in SHIPPED_DRAFTS
     ):
@@ -72,7 +78,7 @@ def build_drafter(
         )
     if method in ("mtp", "mtp-tree"):
         return build_mtp_drafter(
-            spec, target, tree=method == "mtp-tree", path=argument
+            spec, target, tree=method == "mtp-tree", path=argument, nodes=nodes
         ), target_vocab
     if method in SHIPPED_DRAFTS or method in ("draft", "draft-ar"):
         return build_small_drafter(spec, target), target_vocab
@@ -136,8 +142,21 @@ def load_small_draft(spec: str, target: LoadedModel) -> DraftLM:
     return load_draft(directory, target=target.model)
 
 
-def build_mtp_drafter(spec: str, target: LoadedModel, *, tree: bool, path: str) -> MTPDrafter:
-    """MTP heads for `target`: the ones shipped for the default model unless a path is given."""
+def split_tree_nodes(spec: str) -> tuple[str, int | None]:
+    """`mtp-tree...#nodes=N` -> (`mtp-tree...`, N); a spec without the option -> (spec, None)."""
+    base, option, count = spec.partition(TREE_NODES)
+    if not option:
+        return spec, None
+    if not count.isdigit() or int(count) < 1 or not base:
+        raise SpecMTPError(f"bad draft spec {spec!r}: use mtp-tree{TREE_NODES}N with N >= 1")
+    return base, int(count)
+
+
+def build_mtp_drafter(
+    spec: str, target: LoadedModel, *, tree: bool, path: str, nodes: int | None = None
+) -> MTPDrafter:
+    """MTP heads for `target`: the ones shipped for the default model unless a path is given;
+    with `nodes`, a dynamic tree of that many nodes out of the tree."""
     heads_dir, tree_file = shipped_heads_dir(), None
     if path.endswith(".json"):
         tree_file = Path(path)
@@ -152,7 +171,8 @@ def build_mtp_drafter(spec: str, target: LoadedModel, *, tree: bool, path: str) 
                 f"the tree is {token_tree.max_depth} deep but the heads predict "
                 f"{heads.config.num_heads} tokens"
             )
-    return MTPDrafter(heads, tree=token_tree, name=spec)
+    name = spec if nodes is None else f"{spec}{TREE_NODES}{nodes}"
+    return MTPDrafter(heads, tree=token_tree, nodes=nodes, name=name)
 
 
 def weights_fingerprints(target: LoadedModel, drafter: Drafter | None) -> dict[str, str]:

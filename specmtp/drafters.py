@@ -16,11 +16,12 @@ from transformers import PreTrainedModel
 from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors
 from specmtp.config import SamplingConfig
 from specmtp.draft_model import DraftLM
+from specmtp.errors import SpecMTPError
 from specmtp.heads import Heads, SequentialMTP
 from specmtp.mtp_cache import SequentialDraftCache
 from specmtp.output_vocab import restrict_output_vocab
 from specmtp.sampling import choose, greedy_tokens, logits_to_probs
-from specmtp.tree import TokenTree, build_tree_tokens
+from specmtp.tree import Candidates, TokenTree, build_tree_tokens, likeliest_subtree
 
 
 @dataclass(frozen=True)
@@ -339,12 +340,24 @@ class MTPDrafter:
     run over the history with their own caches (mtp_cache.py), greedily for a chain and on
     each node's own path for a tree.
     Tree candidates and sequential drafts are fixed choices (verified with one-hot q);
-    a sampled chain from parallel heads carries its q for rejection sampling.
+    a sampled chain from parallel heads carries its q for rejection sampling. With `nodes`,
+    each round drafts the whole tree and verifies only its `nodes` likeliest nodes by the
+    heads' own probabilities (a dynamic tree).
     """
 
-    def __init__(self, heads: Heads, *, tree: TokenTree | None = None, name: str = "mtp") -> None:
+    def __init__(
+        self,
+        heads: Heads,
+        *,
+        tree: TokenTree | None = None,
+        nodes: int | None = None,
+        name: str = "mtp",
+    ) -> None:
+        if nodes is not None and (tree is None or nodes < 1):
+            raise SpecMTPError("a dynamic tree needs a tree to draft and nodes >= 1")
         self.heads = heads.eval()
         self.tree = tree
+        self.nodes = nodes
         self.name = name
         self.needs_target_hidden = True
         self.hidden: torch.Tensor | None = None  # [B, 1, H] at the last verified position
@@ -412,9 +425,16 @@ class MTPDrafter:
         depths: each node's children come from the depth run on that node's own path."""
         tree = self.tree.pruned(k)
         if self.history is not None:
-            return Proposal(build_tree_tokens(tree, self.history.draft_tree(context, tree)),
-                            None, tree=tree)  # fmt: skip
-        logits = self._head_logits(k)  # [B, k, V]
-        width = max(path[-1] for path in tree.paths) + 1
-        candidates = list(logits.topk(width, dim=-1).indices.unbind(1))  # k x [B, width]
+            drafted = self.history.draft_tree(context, tree)
+            candidates: Candidates = drafted.tokens
+            logprob = drafted.logprob
+        else:
+            logits = self._head_logits(k)  # [B, k, V]
+            width = max(path[-1] for path in tree.paths) + 1
+            top = logits.float().log_softmax(-1).topk(width, dim=-1)  # [B, k, width]
+            candidates = list(top.indices.unbind(1))  # k x [B, width]
+            chance = top.values  # [B, k, width]: each head's log-probability by rank
+            logprob = {p: sum(chance[:, d, r] for d, r in enumerate(p)) for p in tree.paths}
+        if self.nodes is not None:  # one tree for the batch: the paths' mean log-probability
+            tree = likeliest_subtree({p: float(lp.mean()) for p, lp in logprob.items()}, self.nodes)
         return Proposal(build_tree_tokens(tree, candidates), None, tree=tree)

@@ -21,11 +21,23 @@ x_0 .. x_{T-1}, d_1 .. d_k (tests/test_mtp_cache.py checks it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specmtp.errors import SpecMTPError
 from specmtp.heads import KV, SequentialMTP
 from specmtp.tree import Path, TokenTree
+
+
+@dataclass(frozen=True)
+class DraftedTree:
+    """A drafted tree: each path's token [B], and the log-probability [B] (float32) the
+    depths gave the path's tokens, each given the ones before it (a dynamic tree keeps the
+    likeliest paths)."""
+
+    tokens: dict[Path, torch.Tensor]
+    logprob: dict[Path, torch.Tensor]
 
 
 class SequentialDraftCache:
@@ -74,8 +86,9 @@ class SequentialDraftCache:
         return drafts, torch.stack(logits, dim=1)
 
     @torch.no_grad()
-    def draft_tree(self, context: torch.Tensor, tree: TokenTree) -> dict[Path, torch.Tensor]:
-        """Each tree node's token [B] after context [B, T], by its path of ranks.
+    def draft_tree(self, context: torch.Tensor, tree: TokenTree) -> DraftedTree:
+        """Each tree node's token [B] after context [B, T], by its path of ranks, and the
+        path's log-probability under the depths.
 
         A node's children are the top candidates of the next depth run on that node's own
         path (EAGLE-style), not on the greedy chain. Depth i runs once per level, over all
@@ -89,6 +102,7 @@ class SequentialDraftCache:
         self._check(context)
         batch = context.shape[0]
         tokens: dict[Path, torch.Tensor] = {}
+        logprob: dict[Path, torch.Tensor] = {(): torch.zeros(batch, device=context.device)}
         drafted: dict[Path, torch.Tensor] = {(): context[:, :0]}  # [B, len(path)]
         below: dict[Path, torch.Tensor] = {(): self.hidden}  # states the next depth reads
         for i in range(tree.max_depth):
@@ -100,17 +114,22 @@ class SequentialDraftCache:
                 context.repeat(len(parents), 1),
                 torch.cat([drafted[p] for p in parents]),
             )
-            top = self._top(logits, max(path[-1] for path in children) + 1)  # [m*B, width]
+            width = max(path[-1] for path in children) + 1
+            ranked = logits.topk(width, dim=-1).indices  # [m*B, width] draft vocabulary
+            top = self.heads.to_full_ids(ranked)
+            chance = logits.float().log_softmax(-1).gather(1, ranked)  # [m*B, width]
             for j, parent in enumerate(parents):
                 rows = slice(j * batch, (j + 1) * batch)
                 for rank in [path[-1] for path in children if path[:-1] == parent]:
                     path = (*parent, rank)
                     tokens[path] = top[rows, rank]
+                    logprob[path] = logprob[parent] + chance[rows, rank]
                     drafted[path] = torch.cat([drafted[parent], top[rows, rank : rank + 1]], 1)
                     below[path] = states[rows]
             # the committed part is the same under every parent: the first's
             self._commit(i, context, *(t[:batch] for t in new))
-        return tokens
+        del logprob[()]
+        return DraftedTree(tokens, logprob)
 
     def _check(self, context: torch.Tensor) -> None:
         last = context.shape[1] - 2  # the last position with a target hidden state

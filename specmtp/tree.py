@@ -380,3 +380,25 @@ def best_tree(rank_probs: Sequence[Sequence[float]], budget: int) -> TokenTree:
             for r, prob in enumerate(rank_probs[len(path)]):
                 frontier[(*path, r)] = chance * prob
     return TokenTree(tuple(chosen))
+
+
+def likeliest_subtree(logprob: Mapping[Path, float], budget: int) -> TokenTree:
+    """The `budget` likeliest nodes of a drafted tree, by the drafter's own log-probability
+    of each path (a dynamic tree, as in EAGLE-2): the same greedy frontier as `best_tree`,
+    but per round and from this round's drafts, so a confident depth grows the tree deeper
+    and an unsure one wider. Only a node's parent must be in the drafted tree; the
+    choice reads the drafts alone, so verification stays exact at any temperature.
+    """
+    if budget < 1:
+        raise SpecMTPError(f"a dynamic tree needs a budget >= 1, got {budget}")
+    children: dict[Path, list[Path]] = {}
+    for path in logprob:
+        children.setdefault(path[:-1], []).append(path)
+    chosen: list[Path] = []
+    frontier = {path: logprob[path] for path in children.get((), [])}
+    while frontier and len(chosen) < budget:
+        path = max(frontier, key=lambda p: (frontier[p], [-x for x in p]))
+        del frontier[path]
+        chosen.append(path)
+        frontier.update({child: logprob[child] for child in children.get(path, [])})
+    return TokenTree(tuple(chosen))

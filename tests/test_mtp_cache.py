@@ -100,14 +100,19 @@ def test_tree_children_come_from_the_depth_run_on_their_own_path(
     for cache in (trees, chains):
         cache.add_hidden(hidden[:, : t - 1])
     for step in (1, 3, 2, 4, 1):
-        tokens = trees.draft_tree(ids[:, :t], TREE)  # path -> [1]
+        drafted = trees.draft_tree(ids[:, :t], TREE)
+        tokens = drafted.tokens  # path -> [1]
         chain, _ = chains.draft(ids[:, :t], 3)
-        assert set(tokens) == set(TREE.paths)
+        assert set(tokens) == set(drafted.logprob) == set(TREE.paths)
         for path in TREE.paths:
             line = torch.stack([tokens[path[:d]] for d in range(1, len(path) + 1)], 1)  # [1, L]
             logits = reference(heads, hidden, ids[:, :t], line)[:, -1]  # depth L-1 at T-2
-            ranked = heads.to_full_ids(logits.topk(path[-1] + 1).indices)
-            assert torch.equal(tokens[path], ranked[:, path[-1]]), path
+            ranked = logits.topk(path[-1] + 1).indices  # draft vocabulary
+            assert torch.equal(tokens[path], heads.to_full_ids(ranked)[:, path[-1]]), path
+            # The path's log-probability: its parent's plus this depth's for its token.
+            chance = logits.log_softmax(-1)[:, ranked[0, path[-1]]]  # [1]
+            before = drafted.logprob[path[:-1]] if len(path) > 1 else 0.0
+            torch.testing.assert_close(drafted.logprob[path], before + chance)
         # The all-first path is the greedy chain, and both leave the same caches behind.
         assert torch.equal(torch.stack([tokens[(0,) * d] for d in (1, 2, 3)], 1), chain)
         assert [trees.cached(i) for i in range(3)] == [chains.cached(i) for i in range(3)]
@@ -131,9 +136,9 @@ def test_a_batch_of_sequences_drafts_the_trees_each_would_alone(
     for row, cache in enumerate(alone):
         cache.add_hidden(hidden[row : row + 1, : t - 1])
     for step in (2, 1, 3):
-        tokens = both.draft_tree(ids[:, :t], TREE)
+        tokens = both.draft_tree(ids[:, :t], TREE).tokens
         for row, cache in enumerate(alone):
-            own = cache.draft_tree(ids[row : row + 1, :t], TREE)
+            own = cache.draft_tree(ids[row : row + 1, :t], TREE).tokens
             assert all(torch.equal(tokens[p][row : row + 1], own[p]) for p in TREE.paths), row
             assert [both.cached(i) for i in range(3)] == [cache.cached(i) for i in range(3)]
             cache.add_hidden(hidden[row : row + 1, t - 1 : t - 1 + step])

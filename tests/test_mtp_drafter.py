@@ -10,9 +10,11 @@ from transformers import PreTrainedModel
 
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import MTPDrafter
+from specmtp.drafters import MTPDrafter, Proposal
+from specmtp.errors import SpecMTPError
 from specmtp.heads import Heads, HeadsConfig, build_heads, describe_target
 from specmtp.mtp_loss import decaying_weights, mtp_losses
+from specmtp.tree import TokenTree
 
 PROMPT = [5, 17, 3, 88, 41, 5, 17, 3, 60, 2]
 
@@ -73,6 +75,48 @@ def test_trained_heads_are_accepted_more_than_fresh_ones(
         ).stats.mean_accepted_tokens
 
     assert tau(300) > tau(0) + 0.25
+
+
+class TreeRecorder(MTPDrafter):
+    """Records the tree each round verifies."""
+
+    def __init__(self, heads: Heads, **kwargs: object) -> None:
+        super().__init__(heads, **kwargs)  # type: ignore[arg-type]
+        self.trees: list[TokenTree] = []
+
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        proposal = super().propose(context, k, sampling, generator)
+        if proposal.tree is not None:
+            self.trees.append(proposal.tree)
+        return proposal
+
+
+@pytest.mark.parametrize("kind", ["parallel", "sequential"])
+def test_a_dynamic_tree_verifies_its_likeliest_nodes_and_stays_greedy_exact(
+    target: PreTrainedModel, kind: str
+) -> None:
+    drafter = TreeRecorder(trained_heads(target, kind, steps=60), tree=TREE, nodes=4)
+    decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
+    result = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=40, gamma=3))
+    assert result.tokens == hf_greedy(target, PROMPT, 40)
+    assert result.stats.accepted_tokens > 0
+    assert all(set(t.paths) <= set(TREE.paths) for t in drafter.trees)
+    full = [t for t in drafter.trees if t.num_nodes == 4]  # rounds near the end draft less
+    assert len(full) >= len(drafter.trees) - 2
+    assert len({t.paths for t in full}) > 1  # the shape follows the drafts
+
+
+def test_a_dynamic_tree_needs_a_tree_and_nodes(target: PreTrainedModel) -> None:
+    heads = trained_heads(target, "sequential", steps=0)
+    for kwargs in ({"nodes": 4}, {"tree": TREE, "nodes": 0}):
+        with pytest.raises(SpecMTPError, match="dynamic tree"):
+            MTPDrafter(heads, **kwargs)  # type: ignore[arg-type]
 
 
 def test_sampled_mtp_chain_is_seeded(target: PreTrainedModel) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 from conftest import SHIPPED_NEW_TOKENS, SHIPPED_PROMPT, tiny_model
 
-from specmtp.api import SpecGenerator
+from specmtp.api import SpecGenerator, build_drafter
 from specmtp.config import GenerationConfig
+from specmtp.drafters import MTPDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel, load_model
 
 
-@pytest.mark.parametrize("spec", ["mtp", "mtp-tree"])
+@pytest.mark.parametrize("spec", ["mtp", "mtp-tree", "mtp-tree#nodes=4"])
 def test_shipped_heads_draft_and_stay_greedy_exact(
     default_model: LoadedModel, shipped_greedy: list[int], spec: str
 ) -> None:
@@ -21,6 +22,20 @@ def test_shipped_heads_draft_and_stay_greedy_exact(
     assert result.tokens == shipped_greedy
     # Trained heads get drafts accepted; fresh (identity) heads would almost never.
     assert result.stats.accepted_tokens > 0.1 * len(shipped_greedy)
+
+
+def test_dynamic_tree_specs(default_model: LoadedModel) -> None:
+    drafter, _ = build_drafter("mtp-tree#nodes=5", default_model)
+    assert isinstance(drafter, MTPDrafter) and drafter.nodes == 5
+    assert drafter.name == "mtp-tree#nodes=5" and drafter.tree is not None
+    for bad, message in [
+        ("mtp#nodes=5", "applies to mtp-tree drafters"),
+        ("ngram#nodes=5", "applies to mtp-tree drafters"),
+        ("mtp-tree#nodes=0", "N >= 1"),
+        ("mtp-tree#nodes=many", "N >= 1"),
+    ]:
+        with pytest.raises(SpecMTPError, match=message):
+            build_drafter(bad, default_model)
 
 
 def test_mtp_heads_refuse_another_target() -> None:

@@ -31,6 +31,7 @@ from specmtp.tree import (
     build_tree_tokens,
     check_tree_attention,
     commit_tree_path,
+    likeliest_subtree,
     tree_attention_inputs,
     tree_forward,
     verify_tree_greedy,
@@ -86,6 +87,32 @@ def test_tree_json_round_trip(tmp_path: FilePath) -> None:
     for text in ("[[0], [0, 5", '{"a": 1}', "[[0], [0, 0.5]]"):
         with pytest.raises(SpecMTPError):
             TokenTree.from_json(text)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_likeliest_subtree_keeps_the_likeliest_nodes(seed: int) -> None:
+    """Against the slow reference: sort every drafted path by its log-probability and keep
+    the first `budget` (a child is never likelier than its parent, so that is a tree)."""
+    generator = torch.Generator().manual_seed(seed)
+    wide = TokenTree([(a,) for a in range(4)] + [(a, b) for a in range(4) for b in range(3)]
+                     + [(a, b, 0) for a in range(2) for b in range(3)])  # fmt: skip
+    step = -torch.rand(wide.num_nodes, generator=generator) * 3  # each node's own log q
+    logprob: dict[Path, float] = {}
+    for path, own in zip(wide.paths, step.tolist(), strict=True):
+        logprob[path] = own + logprob.get(path[:-1], 0.0)
+    ranked = sorted(wide.paths, key=lambda p: -logprob[p])
+    for budget in (1, 3, 7, wide.num_nodes, wide.num_nodes + 5):
+        chosen = likeliest_subtree(logprob, budget)
+        assert set(chosen.paths) == set(ranked[:budget])
+    with pytest.raises(SpecMTPError, match="budget"):
+        likeliest_subtree(logprob, 0)
+
+
+def test_likeliest_subtree_goes_deep_when_sure_and_wide_when_not() -> None:
+    sure = {(0,): -0.01, (1,): -5.0, (0, 0): -0.02, (0, 1): -6.0, (0, 0, 0): -0.05}
+    unsure = {(0,): -0.7, (1,): -0.8, (0, 0): -2.0, (0, 1): -2.2, (0, 0, 0): -3.0}
+    assert likeliest_subtree(sure, 3).paths == ((0,), (0, 0), (0, 0, 0))
+    assert likeliest_subtree(unsure, 3).paths == ((0,), (1,), (0, 0))
 
 
 def test_build_tree_tokens_per_depth_and_per_path() -> None:
@@ -215,11 +242,54 @@ class TreeSimulation:
 SECOND_CHILDREN = [i for i, path in enumerate(BINARY.paths) if path[-1] == 1]
 
 
+def verify_likeliest_subtrees(
+    node_tokens: torch.Tensor,  # [m, N] BINARY's nodes
+    draft_probs: torch.Tensor,  # [m, N, V]
+    target_probs: torch.Tensor,  # [m, N+1, V]
+    budget: int,
+    generator: torch.Generator,
+) -> tree.TreeVerdict:
+    """A dynamic tree per row: the `budget` nodes of BINARY with the largest draft
+    log-probability (as `likeliest_subtree` picks them), verified in groups of rows with the
+    same shape. Returns the verdict with BINARY's node indices."""
+    chance = draft_probs.gather(2, node_tokens[..., None])[..., 0].log()  # [m, N]
+    for i, parent in enumerate(BINARY.parents):
+        if parent:
+            chance[:, i] += chance[:, parent - 1]  # parents come first in node order
+    keep = torch.zeros_like(chance, dtype=torch.bool).scatter(1, chance.topk(budget).indices, True)
+    key = (keep.long() << torch.arange(BINARY.num_nodes)).sum(1)  # [m]: the shape's bits
+    rows = node_tokens.shape[0]
+    path_nodes = torch.full((rows, BINARY.max_depth), -1)
+    next_tokens = torch.zeros(rows, dtype=torch.long)
+    for shape in key.unique().tolist():
+        group = (key == shape).nonzero().squeeze(1)  # [g]
+        nodes = [i for i in range(BINARY.num_nodes) if shape >> i & 1]
+        subtree = TokenTree(tuple(BINARY.paths[i] for i in nodes))  # ancestor-closed: q < 1
+        verdict = verify_tree_sampling(
+            subtree,
+            node_tokens[group][:, nodes],
+            target_probs[group][:, [0, *(i + 1 for i in nodes)]],
+            generator,
+        )
+        found = verdict.path_nodes  # [g, D'] subtree indices
+        back = torch.tensor(nodes)[found.clamp_min(0)].masked_fill(found < 0, -1)
+        path_nodes[group, : back.shape[1]] = back
+        next_tokens[group] = verdict.next_tokens
+    return tree.TreeVerdict(path_nodes, (path_nodes >= 0).sum(-1), next_tokens)
+
+
 def simulate_tree(
-    p: torch.Tensor, q: torch.Tensor, *, draw: str, pass_q: bool, seed: int
+    p: torch.Tensor,
+    q: torch.Tensor,
+    *,
+    draw: str,
+    pass_q: bool,
+    seed: int,
+    budget: int | None = None,
 ) -> TreeSimulation:
     """Tree speculative generation of LENGTH tokens in ROWS independent rows at once; the
-    verifier gets the draft distributions when pass_q, else treats the drafts as one-hot."""
+    verifier gets the draft distributions when pass_q, else treats the drafts as one-hot.
+    With a budget, each row verifies its own likeliest `budget` nodes (a dynamic tree)."""
     generator = torch.Generator().manual_seed(seed)
     depth = BINARY.max_depth
     out = torch.zeros(ROWS, LENGTH, dtype=torch.long)
@@ -230,9 +300,14 @@ def simulate_tree(
         live = (count < LENGTH).nonzero().squeeze(1)  # [m]
         node_tokens, draft_probs = draft_tree(q, last[live], draw=draw, generator=generator)
         positions = torch.cat([last[live, None], node_tokens], 1)  # [m, N+1]
-        verdict = tree.verify_tree_sampling(
-            BINARY, node_tokens, p[positions], generator, draft_probs if pass_q else None
-        )
+        if budget is None:
+            verdict = tree.verify_tree_sampling(
+                BINARY, node_tokens, p[positions], generator, draft_probs if pass_q else None
+            )
+        else:  # the shape depends on the drafts alone: one-hot q stays exact
+            verdict = verify_likeliest_subtrees(
+                node_tokens, draft_probs, p[positions], budget, generator
+            )
         rounds += len(live)
         second += int(torch.isin(verdict.path_nodes, torch.tensor(SECOND_CHILDREN)).any(-1).sum())
         leaf += int((verdict.num_accepted == depth).sum())
@@ -272,6 +347,18 @@ def test_tree_sampling_emits_the_target_joint(sampling: str, drafts: str) -> Non
     assert sim.rejected_rounds > 0.05, sim
     result = fit(sim.counts, markov_joint(p, LENGTH))
     assert result.passes, result
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+def test_dynamic_tree_sampling_emits_the_target_joint(sampling: str) -> None:
+    """Each round verifies the 3 likeliest of BINARY's top-2 nodes, so the shape changes
+    with the drafts (deeper where the draft is sure, wider where it is not)."""
+    p, q = markov_chains(SAMPLINGS[sampling])
+    sim = simulate_tree(p, q, draw="top2", pass_q=False, seed=2, budget=3)
+    assert sim.second_child_rounds > 0.02, sim  # rarer: a sure draft verifies a chain
+    assert sim.leaf_rounds > 0.05, sim
+    assert sim.rejected_rounds > 0.05, sim
+    assert fit(sim.counts, markov_joint(p, LENGTH)).passes
 
 
 MultiCandidate = Callable[
