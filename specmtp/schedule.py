@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Protocol
 
 from specmtp.costmodel import CostModel, expected_tokens
@@ -135,12 +136,15 @@ class AdaptiveGamma:
 
     def current_cost(self) -> CostModel:
         """The cost model at this machine's current speed, and at this sequence's context:
-        T(n) as seen in this sequence where it was seen, else modelled times the speed."""
+        T(n) as seen in this sequence where it was seen, else modelled times the speed, never
+        lower for more tokens."""
         cost = self.cost.scaled(target=self.target_speed, draft=self.draft_speed)
-        if self.seen_verify_s:
-            top = max(len(cost.verify_s), *self.seen_verify_s)
-            times = [self.seen_verify_s.get(n) or cost.target_s(n) for n in range(1, top + 1)]
-            cost = replace(cost, verify_s=tuple(times))
+        top = max(len(cost.verify_s), *self.seen_verify_s, 0)
+        times = [self.seen_verify_s.get(n) or cost.target_s(n) for n in range(1, top + 1)]
+        # Verifying more tokens never costs less than fewer. Where T(n) is flat (bfloat16),
+        # noise can time T(2) below T(1) (or a seen T(2) below a modelled T(1)), and a
+        # one-token draft would look free forever to a drafter that never hits.
+        cost = replace(cost, verify_s=tuple(accumulate(times, max)))
         if self.learn_draft:
             cost = replace(cost, draft_per_token_s=self.draft_per_token_s)
         return cost
