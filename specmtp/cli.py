@@ -137,9 +137,10 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
     _add_common_flags(gen)
     gen.add_argument(
         "--draft",
-        help="draft: a model spec as for --target; ngram[:N] (prompt lookup); mtp, mtp-tree "
-        "(MTP heads); general, distilled, distilled-mtp (shipped drafts); ngram[:N]+SPEC "
-        "(lookup when it finds a match, SPEC otherwise); omitted: plain decoding",
+        help="draft: a model spec as for --target (MODEL#vocab=N: its first N token ids); "
+        "ngram[:N] (prompt lookup); mtp, mtp-tree (MTP heads; mtp-tree#nodes=N: the tree's N "
+        "likeliest nodes each round); general, distilled, distilled-mtp (shipped drafts); "
+        "ngram[:N]+SPEC (lookup when it finds a match, SPEC otherwise); omitted: plain decoding",
     )
     _add_generation_flags(gen)
     gen.add_argument(
