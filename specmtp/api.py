@@ -27,15 +27,14 @@ from specmtp.drafters import (
     NgramDrafter,
 )
 from specmtp.errors import SpecMTPError
-from specmtp.heads import load_heads, shipped_heads_dir
+from specmtp.heads import ParallelHeads, load_heads, shipped_heads_dir
 from specmtp.kernels import apply_kernel_plan, tuned_linear_enabled, use_tuned_linear
 from specmtp.models import LoadedModel, check_tokenizers_agree, load_model, usable_vocab_size
-from specmtp.output_vocab import OUTPUT_VOCAB, output_vocab_ids, split_output_vocab
+from specmtp.output_vocab import output_vocab_ids
 from specmtp.profile import Profile, check_profile_weights, weights_fingerprint
+from specmtp.specs import DRAFT_HEADS, OUTPUT_VOCAB, TREE_NODES, split_count, split_heads
 from specmtp.stats import GenerationStats
 from specmtp.tree import TREE_FILE, TokenTree
-
-TREE_NODES = "#nodes="  # mtp-tree#nodes=N: verify the drafted tree's N likeliest nodes a round
 
 
 @dataclass(frozen=True)
@@ -58,24 +57,28 @@ def build_drafter(
     for the default model; `distilled-mtp-ar` drafts with its LM head alone) or
     `draft:DIR` / `draft-ar:DIR` (one made by `specmtp distill`); `ngram+SPEC` or
     `ngram:N+SPEC` (prompt lookup when the context's last 2..N tokens occurred before, SPEC
-    otherwise); otherwise a model spec as for the target. A Drafter object is used as is.
+    otherwise); otherwise a model spec as for the target, with `#vocab=N` (its output matrix
+    cut to N tokens) and/or `#heads=DIR` last (MTP heads trained on that model). A Drafter
+    object is used as is.
     """
     target_vocab = usable_vocab_size(target, target)
     if spec is None or not isinstance(spec, str):
         return spec, target_vocab
     if spec.startswith("ngram") and "+" in spec:
         return build_lookup_first_drafter(spec, target, dtype=dtype)
-    spec, nodes = split_tree_nodes(spec)
-    spec, output_vocab = split_output_vocab(spec)
+    spec, heads_dir = split_heads(spec)
+    spec, nodes = split_count(spec, TREE_NODES, f"mtp-tree{TREE_NODES}N")
+    spec, output_vocab = split_count(spec, OUTPUT_VOCAB, f"MODEL{OUTPUT_VOCAB}N")
     method, _, argument = spec.partition(":")
     if nodes is not None and method != "mtp-tree":
         raise SpecMTPError(f"{TREE_NODES}N applies to mtp-tree drafters, not to {spec!r}")
-    if output_vocab is not None and (
-        method in ("mtp", "mtp-tree", "draft", "draft-ar", "ngram") or method in SHIPPED_DRAFTS
-    ):
-        raise SpecMTPError(
-            f"{OUTPUT_VOCAB}N applies to a draft model given by name or path, not to {spec!r}"
-        )
+    for option, value in ((OUTPUT_VOCAB + "N", output_vocab), (DRAFT_HEADS + "DIR", heads_dir)):
+        if value is not None and (
+            method in ("mtp", "mtp-tree", "draft", "draft-ar", "ngram") or method in SHIPPED_DRAFTS
+        ):
+            raise SpecMTPError(
+                f"{option} applies to a draft model given by name or path, not to {spec!r}"
+            )
     if method in ("mtp", "mtp-tree"):
         return build_mtp_drafter(
             spec, target, tree=method == "mtp-tree", path=argument, nodes=nodes
@@ -87,16 +90,43 @@ def build_drafter(
         if not size.isdigit() or int(size) < 1:
             raise SpecMTPError(f"bad n-gram draft spec {spec!r}: use ngram or ngram:N with N >= 1")
         return NgramDrafter(max_ngram=int(size)), target_vocab
+    return build_model_drafter(
+        spec, target, dtype=dtype, output_vocab=output_vocab, heads_dir=heads_dir
+    )
+
+
+def build_model_drafter(
+    spec: str,
+    target: LoadedModel,
+    *,
+    dtype: torch.dtype,
+    output_vocab: int | None = None,
+    heads_dir: str | None = None,
+) -> tuple[DraftModelDrafter, int]:
+    """A causal LM with the target's tokenizer, given by name or path, drafting on its own
+    or, with `heads_dir`, with parallel MTP heads trained on it (several tokens a forward)."""
     draft = load_model(spec, dtype=dtype)
     check_tokenizers_agree(
         target.tokenizer, draft.tokenizer, target_name=target.spec, draft_name=draft.spec
     )
     vocab = usable_vocab_size(target, draft)
+    heads = None
+    if heads_dir is not None:  # before the output matrix is cut: the heads check its shape
+        heads, config = load_heads(heads_dir, target_model=draft.model)
+        if not isinstance(heads, ParallelHeads):
+            raise SpecMTPError(
+                f"{DRAFT_HEADS}DIR needs parallel heads (train-mtp --kind parallel); "
+                f"{heads_dir} holds {config.kind} ones"
+            )
     name = spec if output_vocab is None else f"{spec}{OUTPUT_VOCAB}{output_vocab}"
+    name = name if heads_dir is None else f"{name}{DRAFT_HEADS}{heads_dir}"
     kept = None
     if output_vocab is not None:
         kept = output_vocab_ids(draft, output_vocab, vocab, always=eos_token_ids(draft))
-    return DraftModelDrafter(draft.model, vocab_size=vocab, name=name, output_ids=kept), vocab
+    drafter = DraftModelDrafter(
+        draft.model, vocab_size=vocab, name=name, heads=heads, output_ids=kept
+    )
+    return drafter, vocab
 
 
 def build_lookup_first_drafter(
@@ -140,16 +170,6 @@ def load_small_draft(spec: str, target: LoadedModel) -> DraftLM:
     if not is_draft_dir(directory):
         raise SpecMTPError(f"no draft in {directory} (it has no {DRAFT_CONFIG})")
     return load_draft(directory, target=target.model)
-
-
-def split_tree_nodes(spec: str) -> tuple[str, int | None]:
-    """`mtp-tree...#nodes=N` -> (`mtp-tree...`, N); a spec without the option -> (spec, None)."""
-    base, option, count = spec.partition(TREE_NODES)
-    if not option:
-        return spec, None
-    if not count.isdigit() or int(count) < 1 or not base:
-        raise SpecMTPError(f"bad draft spec {spec!r}: use mtp-tree{TREE_NODES}N with N >= 1")
-    return base, int(count)
 
 
 def build_mtp_drafter(

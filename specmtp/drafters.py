@@ -17,7 +17,7 @@ from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors
 from specmtp.config import SamplingConfig
 from specmtp.draft_model import DraftLM
 from specmtp.errors import SpecMTPError
-from specmtp.heads import Heads, SequentialMTP
+from specmtp.heads import Heads, ParallelHeads, SequentialMTP
 from specmtp.mtp_cache import SequentialDraftCache
 from specmtp.output_vocab import restrict_output_vocab
 from specmtp.sampling import choose, greedy_tokens, logits_to_probs
@@ -234,9 +234,10 @@ class DraftModelDrafter:
     keeping its own KV cache. Its cache holds `fed`, the ids it has seen; after each
     round it is cropped back to the part of `fed` that the target committed.
 
-    With `heads` (a `draft_model.DraftLM` whose MTP heads are used), each draft forward
-    proposes 1 + K tokens: the next one from its LM head, the K after it from its heads,
-    all read off the same hidden state; the next forward feeds those tokens at once.
+    With `multi_token` (a `draft_model.DraftLM` whose own MTP heads are used) or `heads`
+    (parallel MTP heads trained on this model by `specmtp train-mtp --target`), each draft
+    forward proposes 1 + K tokens: the next one from its LM head, the K after it from its
+    heads, all read off the same hidden state; the next forward feeds those tokens at once.
 
     With `output_ids` [N] (a reduced output vocabulary), the model's LM head is cut to
     those rows, so each draft step scores N tokens instead of V; its logits are put back
@@ -251,15 +252,21 @@ class DraftModelDrafter:
         vocab_size: int,
         name: str = "draft",
         multi_token: bool = False,
+        heads: ParallelHeads | None = None,
         output_ids: torch.Tensor | None = None,
     ) -> None:
-        if multi_token and getattr(model, "heads", None) is None:
-            raise ValueError("multi-token drafting needs a draft with MTP heads")
-        self.multi_token = multi_token
+        if multi_token and heads is None:
+            heads = getattr(model, "heads", None)
+            if heads is None:
+                raise ValueError("multi-token drafting needs a draft with MTP heads")
+        self.heads = heads
+        self.multi_token = heads is not None
         self.output_ids = output_ids
         if output_ids is not None:
             restrict_output_vocab(model, output_ids)
-        self.runner = CachedModel(model, vocab_size=vocab_size, name=name, keep_hidden=multi_token)
+        self.runner = CachedModel(
+            model, vocab_size=vocab_size, name=name, keep_hidden=self.multi_token
+        )
         self.name = name
         self.needs_target_hidden = False
         self.fed = torch.empty(1, 0, dtype=torch.long)  # [1, runner.length]
@@ -312,18 +319,18 @@ class DraftModelDrafter:
     @torch.inference_mode()
     def _head_logits(self) -> list[torch.Tensor]:
         """The MTP heads' full-vocabulary logits at the last fed position, each [B, V]."""
-        if not self.multi_token:
+        if self.heads is None:
             return []
-        model = self.runner.model
         hidden = self.runner.last_hidden[:, -1:]  # [B, 1, H]
-        logits = model.projection.to_full_logits(model.head_logits(hidden)[:, :, -1])  # [B,K,V]
+        logits = self.heads.to_full_logits(self.heads(hidden)[:, :, -1])  # [B, K, V]
         return list(logits[..., : self.runner.vocab_size].unbind(1))
 
     def observe(self, outcome: Outcome) -> None:
         self._rollback_to_prefix_of(outcome.context)
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        return module_tensors(self.runner.model)
+        heads = [] if self.heads is None else module_tensors(self.heads)
+        return list({id(t): t for t in module_tensors(self.runner.model) + heads}.values())
 
     def kv_bytes(self) -> int:
         return self.runner.kv_bytes()

@@ -17,18 +17,7 @@ from transformers import PreTrainedModel
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import TunedLinear
 from specmtp.models import LoadedModel
-
-OUTPUT_VOCAB = "#vocab="  # MODEL#vocab=N: the draft model scores only N tokens (plus specials)
-
-
-def split_output_vocab(spec: str) -> tuple[str, int | None]:
-    """`MODEL#vocab=N` -> (MODEL, N); a spec without the option -> (spec, None)."""
-    base, option, size = spec.partition(OUTPUT_VOCAB)
-    if not option:
-        return spec, None
-    if not size.isdigit() or int(size) < 1 or not base:
-        raise SpecMTPError(f"bad draft spec {spec!r}: use MODEL{OUTPUT_VOCAB}N with N >= 1")
-    return base, int(size)
+from specmtp.specs import OUTPUT_VOCAB
 
 
 def output_vocab_ids(

@@ -13,7 +13,7 @@ from specmtp.config import SamplingConfig
 from specmtp.drafters import DraftModelDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.models import load_model
-from specmtp.output_vocab import split_output_vocab
+from specmtp.specs import OUTPUT_VOCAB, split_count, split_heads
 
 KEPT = 3000  # of the default tokenizer's 49,152 ids
 
@@ -87,6 +87,14 @@ def test_bad_output_vocab_specs_are_refused(tiny_target: Path, spec: str, messag
         build_drafter(spec.format(t=tiny_target), target)
 
 
-def test_the_option_splits_off_the_model_spec() -> None:
-    assert split_output_vocab("some/model.gguf#vocab=32768") == ("some/model.gguf", 32768)
-    assert split_output_vocab("default") == ("default", None)
+def test_the_options_split_off_the_model_spec() -> None:
+    usage = "MODEL#vocab=N"
+    assert split_count("some/model.gguf#vocab=32768", OUTPUT_VOCAB, usage) == (
+        "some/model.gguf", 32768,
+    )  # fmt: skip
+    assert split_count("default", OUTPUT_VOCAB, usage) == ("default", None)
+    with pytest.raises(SpecMTPError, match="use MODEL#vocab=N with N >= 1"):
+        split_count("m#vocab=", OUTPUT_VOCAB, usage)
+    spec = "some/model.gguf#vocab=100#heads=runs/a#b"  # the heads' path runs to the end
+    assert split_heads(spec) == ("some/model.gguf#vocab=100", "runs/a#b")
+    assert split_heads("default") == ("default", None)

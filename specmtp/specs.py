@@ -1,0 +1,36 @@
+"""Options a draft spec may carry after its name: `#nodes=N`, `#vocab=N` and `#heads=DIR`.
+
+`mtp-tree#nodes=4` verifies a dynamic tree's 4 likeliest nodes a round; `MODEL#vocab=N` cuts a
+draft model's output matrix to N tokens; `MODEL#heads=DIR` drafts with MTP heads trained on
+that draft model (`specmtp train-mtp --target MODEL`). `#heads=` comes last: its path runs
+to the end of the spec.
+"""
+
+from __future__ import annotations
+
+from specmtp.errors import SpecMTPError
+
+TREE_NODES = "#nodes="
+OUTPUT_VOCAB = "#vocab="
+DRAFT_HEADS = "#heads="
+
+
+def split_count(spec: str, option: str, usage: str) -> tuple[str, int | None]:
+    """`BASE{option}N` -> (BASE, N) with N >= 1; a spec without the option -> (spec, None).
+    `usage` is how the option is written, for the error message."""
+    base, found, count = spec.partition(option)
+    if not found:
+        return spec, None
+    if not count.isdigit() or int(count) < 1 or not base:
+        raise SpecMTPError(f"bad draft spec {spec!r}: use {usage} with N >= 1")
+    return base, int(count)
+
+
+def split_heads(spec: str) -> tuple[str, str | None]:
+    """`MODEL#heads=DIR` -> (MODEL, DIR); a spec without the option -> (spec, None)."""
+    base, found, path = spec.partition(DRAFT_HEADS)
+    if not found:
+        return spec, None
+    if not base or not path:
+        raise SpecMTPError(f"bad draft spec {spec!r}: use MODEL{DRAFT_HEADS}DIR")
+    return base, path

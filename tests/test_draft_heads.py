@@ -1,0 +1,154 @@
+"""A draft model with MTP heads trained on it (`MODEL#heads=DIR`): each draft forward
+proposes 1 + K tokens, the heads' tokens are the ones drafted, and what is accepted does
+not change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specmtp.api import SpecGenerator, build_drafter
+from specmtp.config import SamplingConfig
+from specmtp.drafters import DraftModelDrafter, Outcome
+from specmtp.errors import SpecMTPError
+from specmtp.heads import HeadsConfig, build_heads, describe_target, save_heads
+from specmtp.models import load_model
+from specmtp.sampling import logits_to_probs
+
+NUM_HEADS = 2
+
+
+def _prompt(seed: int, length: int = 12) -> list[int]:
+    return torch.randint(
+        100, 5000, (length,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
+
+
+def _save_heads(model_dir: Path, out: Path, *, kind: str = "parallel", seed: int = 0) -> Path:
+    """Heads for the model in `model_dir`, their residual blocks set to random weights so
+    that each head predicts something other than the LM head's next token."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    config = HeadsConfig(
+        kind=kind,
+        num_heads=NUM_HEADS,
+        hidden_size=model.config.hidden_size,
+        vocab_size=model.get_output_embeddings().weight.shape[0],
+        base_model=describe_target(model),
+        draft_vocab=tuple(range(0, 6000)),
+    )
+    torch.manual_seed(seed)
+    heads = build_heads(config, model)
+    with torch.no_grad():
+        for name, p in heads.named_parameters():
+            if name.startswith("heads.") or name.startswith("depths."):
+                p.normal_(0, 0.5)
+    save_heads(heads, config, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save_heads(tiny_target, tmp_path_factory.mktemp("draft-heads"))
+
+
+def _reference_rows(drafter: DraftModelDrafter, context: list[int], k: int) -> torch.Tensor:
+    """Logits [k, V] of what the drafter should draft, by whole forwards over the context
+    plus the drafts so far: the LM head's next token and then each head's, from the hidden
+    state of the last token fed."""
+    model, heads = drafter.runner.model, drafter.heads
+    assert heads is not None
+    rows: list[torch.Tensor] = []
+    drafted: list[int] = []
+    with torch.inference_mode():
+        while len(rows) < k:
+            out = model(torch.tensor([context + drafted]), output_hidden_states=True)
+            hidden = out.hidden_states[-1][:, -1:]  # [1, 1, H]
+            step = [out.logits[0, -1], *heads.to_full_logits(heads(hidden)[0, :, -1]).unbind(0)]
+            step = step[: k - len(rows)]
+            rows += step
+            drafted += [int(row.argmax()) for row in step]
+    return torch.stack(rows)
+
+
+def test_each_forward_drafts_the_next_token_and_the_heads_tokens(
+    tiny_target: Path, heads_dir: Path
+) -> None:
+    target = load_model(str(tiny_target))
+    drafter, _ = build_drafter(f"{tiny_target}#heads={heads_dir}", target)
+    assert isinstance(drafter, DraftModelDrafter) and drafter.multi_token
+    assert drafter.name == f"{tiny_target}#heads={heads_dir}"
+    forwards = 0
+    forward = drafter.runner.forward
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal forwards
+        forwards += 1
+        return forward(*args, **kwargs)  # type: ignore[arg-type]
+
+    drafter.runner.forward = counting  # type: ignore[method-assign]
+    drafter.reset()
+    context = _prompt(1)
+    greedy = SamplingConfig()
+    proposal = drafter.propose(torch.tensor([context]), 5, greedy, None)
+    assert forwards == 2  # 1 + K = 3 tokens a forward
+    drafted = proposal.tokens[0].tolist()
+    expected = _reference_rows(drafter, context, 5)
+    assert drafted == expected.argmax(-1).tolist()
+    with torch.inference_mode():  # the model's own greedy continuation: not what was drafted
+        plain = drafter.runner.model.generate(
+            torch.tensor([context]), max_new_tokens=5, min_new_tokens=5, do_sample=False
+        )[0, len(context) :].tolist()
+    assert drafted[0] == plain[0] and drafted != plain
+    # Two kept, the third corrected: the next proposal starts from the corrected context.
+    context = [*context, *drafted[:2], (drafted[2] + 1) % 5000]
+    drafter.observe(Outcome(torch.tensor([context]), num_accepted=2, target_hidden=None))
+    sampled = SamplingConfig(temperature=1.0)
+    proposal = drafter.propose(torch.tensor([context]), 3, sampled, torch.Generator())
+    assert proposal.probs is not None and proposal.probs.shape[:2] == (1, 3)
+    got = proposal.tokens[0].tolist()
+    with torch.inference_mode():  # one forward: the rows do not depend on the sampled tokens
+        out = drafter.runner.model(torch.tensor([context]), output_hidden_states=True)
+        hidden = out.hidden_states[-1][:, -1:]
+        heads = drafter.heads
+        assert heads is not None
+        rows = [out.logits[0, -1], *heads.to_full_logits(heads(hidden)[0, :, -1]).unbind(0)]
+    expected_q = logits_to_probs(torch.stack(rows), sampled)
+    torch.testing.assert_close(proposal.probs[0], expected_q, atol=1e-5, rtol=1e-4)
+    assert (proposal.probs[0].gather(-1, torch.tensor(got)[:, None]) > 0).all()
+    # The heads' draft vocabulary: q is zero off it.
+    assert torch.all(proposal.probs[0, 1:, 6000:] == 0)
+
+
+def test_greedy_output_is_plain_decodings(tiny_target: Path, heads_dir: Path) -> None:
+    plain = SpecGenerator(str(tiny_target))
+    headed = SpecGenerator(str(tiny_target), draft=f"{tiny_target}#heads={heads_dir}")
+    cut = SpecGenerator(str(tiny_target), draft=f"{tiny_target}#vocab=3000#heads={heads_dir}")
+    for seed in range(3):
+        prompt = _prompt(seed)
+        expected = plain.generate(prompt, max_new_tokens=30).tokens
+        done = headed.generate(prompt, max_new_tokens=30, gamma=4)
+        assert done.tokens == expected
+        # The LM head (the target itself) is right every round, the random heads rarely.
+        assert done.stats.rounds <= done.stats.accepted_tokens < done.stats.drafted_tokens
+        assert cut.generate(prompt, max_new_tokens=30, gamma=4).tokens == expected
+
+
+def test_bad_head_specs_are_refused(
+    tiny_target: Path, heads_dir: Path, tmp_path: Path, specmtp_cache: Path
+) -> None:
+    target = load_model(str(tiny_target))
+    sequential = _save_heads(tiny_target, tmp_path / "seq", kind="sequential")
+    for spec, message in [
+        (f"{tiny_target}#heads=", "use MODEL#heads=DIR"),
+        (f"#heads={heads_dir}", "use MODEL#heads=DIR"),
+        (f"mtp#heads={heads_dir}", "applies to a draft model given by name or path"),
+        (f"distilled#heads={heads_dir}", "applies to a draft model given by name or path"),
+        (f"{tiny_target}#heads={sequential}", "needs parallel heads"),
+        (f"{tiny_target}#heads={tmp_path / 'none'}", "cannot read heads"),
+        (f"default#heads={heads_dir}", "were trained for"),  # another model's heads
+    ]:
+        with pytest.raises(SpecMTPError, match=message):
+            build_drafter(spec, target)
