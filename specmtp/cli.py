@@ -292,6 +292,12 @@ def _add_train_mtp_command(commands: argparse._SubParsersAction) -> None:
     _add_precision_flags(train, defaults, "builds the data")
     train.add_argument("--cache", type=Path, help="an existing data cache with hidden states")
     train.add_argument(
+        "--answers-from", type=Path, metavar="CACHE",
+        help="another model's data cache (e.g. the target's, from `specmtp distill "
+        "--data-only`): train on its answers with this --target's hidden states (heads for "
+        "a draft model; use them as --draft MODEL#heads=OUT)",
+    )  # fmt: skip
+    train.add_argument(
         "--objective", choices=["tokens", "kl"], default=defaults["objective"],
         help="tokens: cross-entropy on the target's answer tokens (default); kl: KL to the "
         "target's own distribution of each future token (its cached top-20)",

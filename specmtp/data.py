@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -34,12 +35,12 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from specmtp.api import eos_token_ids
 from specmtp.errors import SpecMTPError
-from specmtp.models import LoadedModel
+from specmtp.models import LoadedModel, vocab_digest
 
 # Default model, 2-core CPU, answer tokens/s: 16 prompts x 64 tokens, short prompts:
 # batch 1: 22, 8: 88, 16: 107, 32: 97; 32 train prompts (mean 185 tokens) x 128 tokens:
@@ -332,6 +333,7 @@ def build_cache(
         "sources": [str(s) for s in sources],
         "num_tokens": sum(s["tokens"] for s in shards),
         "hidden_size": model.model.config.get_text_config().hidden_size,
+        "vocab_sha256": vocab_digest(model.tokenizer),  # what the token ids mean
         "shards": shards,
     }
     text = json.dumps(manifest, indent=1, ensure_ascii=False)
@@ -361,12 +363,72 @@ def _ensure_shard(
     }
 
 
+def rescore_cache(
+    source: DistillCache, model: LoadedModel, directory: Path, *, forward_tokens: int = 2048
+) -> DistillCache:
+    """`source`'s samples, another model's answers, with `model`'s own hidden states: the data
+    for MTP heads on a draft model that learn the target's answers from the draft's features.
+
+    The token ids must mean the same to both models. The source's top-k log-probabilities
+    (the answering model's distributions) are copied, not recomputed. Shards follow the
+    source's, so a killed rescoring resumes as a build does.
+    """
+    theirs, answered_by = source.manifest.get("vocab_sha256"), source.manifest["model"]["spec"]
+    if theirs is None:
+        raise SpecMTPError(
+            f"cache {source.directory} records no tokenizer vocabulary (built by an older "
+            "specmtp); build it again"
+        )
+    if theirs != vocab_digest(model.tokenizer):
+        raise SpecMTPError(
+            f"vocabulary mismatch: cache {source.directory} was answered by {answered_by!r}, "
+            f"whose token ids mean other tokens than {model.spec!r}'s"
+        )
+    identity = {
+        "format": _FORMAT,
+        "model": {"spec": model.spec, "fingerprint": model_fingerprint(model)},
+        "settings": {**source.manifest["settings"], "store_hidden": True},
+        "prompts_sha256": source.manifest["prompts_sha256"],
+        "num_samples": source.num_samples,
+        "answers_from": {"model": source.manifest["model"], "key": source.manifest["key"]},
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / MANIFEST).exists():
+        _check_identity(directory, _read_manifest(directory), identity)
+    key = _sha256(json.dumps(identity, sort_keys=True).encode())
+    config = DistillConfig(store_hidden=True, topk=0, forward_tokens=forward_tokens)
+    shards = []
+    for entry in tqdm(source.manifest["shards"], desc="rescoring", unit="shard", disable=None):
+        path = directory / entry["file"]
+        if not _reusable_shard(path, key):
+            tensors = load_file(str(source.directory / entry["file"]))
+            offsets = tensors["offsets"].tolist()
+            ids = tensors["input_ids"].tolist()
+            sequences = [ids[a:b] for a, b in itertools.pairwise(offsets)]
+            tensors["hidden"] = _target_outputs(model, sequences, config)["hidden"]
+            metadata = {"key": key, "digest": _tensors_digest(tensors)}
+            _write_atomically(path, lambda tmp, t=tensors, m=metadata: save_file(t, tmp, m))
+        shards.append({**entry, "sha256": _sha256(path.read_bytes())})
+    manifest = {
+        **identity,
+        "key": key,
+        "sources": source.manifest["sources"],
+        "num_tokens": source.manifest["num_tokens"],
+        "hidden_size": model.model.config.get_text_config().hidden_size,
+        "vocab_sha256": theirs,
+        "shards": shards,
+    }
+    text = json.dumps(manifest, indent=1, ensure_ascii=False)
+    _write_atomically(directory / MANIFEST, lambda tmp: Path(tmp).write_text(text, "utf-8"))
+    return DistillCache.open(directory)
+
+
 def _check_identity(directory: Path, found: dict[str, Any], wanted: dict[str, Any]) -> None:
     """Refuse, naming the first difference, a cache built from something else."""
     labels = {"model": "model", "settings": "settings", "prompts_sha256": "prompt list",
-              "num_samples": "number of prompts"}  # fmt: skip
+              "num_samples": "number of prompts", "answers_from": "answering cache"}  # fmt: skip
     for name, label in labels.items():
-        if found.get(name) != wanted[name]:
+        if found.get(name) != wanted.get(name):
             raise SpecMTPError(
                 f"cache {directory} was built with a different {label} "
                 f"({found.get(name)} != {wanted[name]}); use a new directory"
@@ -410,6 +472,7 @@ def _shard_tensors(
     return tensors
 
 
+@torch.no_grad()
 def _target_outputs(
     model: LoadedModel, sequences: list[list[int]], config: DistillConfig
 ) -> dict[str, torch.Tensor]:

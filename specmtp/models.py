@@ -9,6 +9,7 @@ import copy
 import hashlib
 import importlib.util
 import io
+import json
 import os
 import re
 import shutil
@@ -374,6 +375,12 @@ def _quiet_progress_bars() -> Iterator[None]:
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+def vocab_digest(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A digest of what every token id means: equal digests, interchangeable token ids."""
+    text = json.dumps(sorted(_full_vocab(tokenizer).items()), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _full_vocab(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:

@@ -32,6 +32,7 @@ from specmtp.data import (
     iter_batches,
     load_train_prompts,
     model_fingerprint,
+    rescore_cache,
 )
 from specmtp.errors import SpecMTPError
 from specmtp.heads import Heads, HeadsConfig, build_heads, describe_target, save_heads
@@ -72,6 +73,9 @@ class TrainConfig:
     data: DistillConfig = field(default_factory=DistillConfig)
     dtype: str = "float32"  # the target's dtype while it builds (and must match) the data
     cache: Path | None = None  # an existing data cache with hidden states (else out/data)
+    # another model's cache (its answers): out/data gets them with this target's hidden
+    # states, so heads on a draft model learn the answers of the model it drafts for
+    answers_from: Path | None = None
     mixed_precision: str = "no"  # "bf16": autocast matmuls; heads stay float32
     # "tokens": cross-entropy on the target's answer tokens; "kl": KL to the target's own
     # distribution of each future token (its cached top-k, so the data needs topk > 0)
@@ -90,6 +94,8 @@ class TrainConfig:
             raise SpecMTPError(
                 f"objective must be one of {list(HEAD_OBJECTIVES)}, got {self.objective!r}"
             )
+        if self.cache is not None and self.answers_from is not None:
+            raise SpecMTPError("give --cache or --answers-from, not both")
         if self.dtype not in DTYPES or self.mixed_precision not in ("no", "bf16"):
             raise SpecMTPError(
                 f"dtype must be one of {list(DTYPES)} and mixed-precision 'no' or 'bf16'"
@@ -175,8 +181,16 @@ def bf16_autocast(accelerator: Accelerator, mixed_precision: str) -> torch.autoc
 
 
 def _data_cache(config: TrainConfig, target: LoadedModel) -> DistillCache:
-    """The given cache (checked: built by this target, with hidden states), or one built
-    from the prompt sources in out/data."""
+    """The given cache (checked: built by this target, with hidden states), another model's
+    answers rescored by this target, or one built from the prompt sources, in out/data."""
+    if config.answers_from is not None:
+        source = DistillCache.open(config.answers_from)
+        if config.objective == "kl" and not source.topk:
+            raise SpecMTPError(
+                f"cache {config.answers_from} holds no top-k log-probabilities; "
+                "--objective kl needs them"
+            )
+        return rescore_cache(source, target, config.out / "data")
     if config.cache is not None:
         cache = DistillCache.open(config.cache, model=target)
         if not cache.has_hidden:
@@ -233,7 +247,7 @@ def run_identity(
     settings = {
         k: v
         for k, v in asdict(config).items()
-        if k not in ("out", "sources", "data", "steps", "cache")
+        if k not in ("out", "sources", "data", "steps", "cache", "answers_from")
     }
     if config.objective == "tokens":  # the only one before there was a choice: old runs resume
         del settings["objective"]

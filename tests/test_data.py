@@ -319,3 +319,61 @@ def test_config_is_validated() -> None:
         DistillConfig(shard_size=0)
     with pytest.raises(SpecMTPError, match="topk"):
         DistillConfig(topk=-1)
+
+
+# ---------------------------------------------------------------- another model's answers
+
+
+def test_a_rescored_cache_keeps_the_answers_and_takes_the_other_models_hidden_states(
+    default: LoadedModel, tiny: LoadedModel, built: Path, tmp_path: Path
+) -> None:
+    draft_model = tiny_model("qwen2", seed=3, vocab_size=len(default.tokenizer), context=512)
+    draft = LoadedModel(draft_model, default.tokenizer, spec="tiny-qwen2", context_length=512)
+    source = DistillCache.open(built, model=tiny)
+    rescored = data.rescore_cache(source, draft, tmp_path / "r")
+    assert rescored.num_samples == source.num_samples
+    for index in range(source.num_samples):
+        theirs, ours = source.sample(index), rescored.sample(index)
+        for name in ("input_ids", "loss_mask", "topk_values", "topk_indices"):
+            assert torch.equal(ours[name], theirs[name])  # the answering model's
+        with torch.no_grad():
+            fresh = draft_model(ours["input_ids"][None], output_hidden_states=True)
+        torch.testing.assert_close(
+            ours["hidden"].float(), fresh.hidden_states[-1][0], atol=2e-3, rtol=1e-2
+        )
+        assert not torch.allclose(ours["hidden"], theirs["hidden"], atol=1e-2)
+    manifest = json.loads((tmp_path / "r" / MANIFEST).read_text())
+    assert manifest["answers_from"]["key"] == source.manifest["key"]
+    DistillCache.open(tmp_path / "r", model=draft)
+    with pytest.raises(SpecMTPError, match="was built by model 'tiny-qwen2'"):
+        DistillCache.open(tmp_path / "r", model=tiny)
+    # Rerun: every shard kept. Another answering cache in the same directory: refused.
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "r").iterdir()}
+    data.rescore_cache(source, draft, tmp_path / "r")
+    after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "r").iterdir()}
+    assert {n: t for n, t in after.items() if n != MANIFEST} == {
+        n: t for n, t in before.items() if n != MANIFEST
+    }
+    other = build_cache(tiny, PROMPTS, tmp_path / "o", config=replace(CONFIG, max_new_tokens=5))
+    with pytest.raises(SpecMTPError, match=r"different settings|different answering cache"):
+        data.rescore_cache(other, draft, tmp_path / "r")
+
+
+def test_rescoring_needs_the_same_token_ids(
+    default: LoadedModel, tiny: LoadedModel, built: Path, tmp_path: Path
+) -> None:
+    source = DistillCache.open(built)
+    tokenizer = load_model("default").tokenizer
+    tokenizer.add_tokens(["<specmtp-extra>"])
+    extended = LoadedModel(tiny.model, tokenizer, spec="extended", context_length=512)
+    with pytest.raises(SpecMTPError, match=r"vocabulary mismatch: cache .* 'extended'"):
+        data.rescore_cache(source, extended, tmp_path / "r")
+    old = tmp_path / "old"  # a cache from before manifests recorded the vocabulary
+    old.mkdir()
+    for path in built.iterdir():
+        (old / path.name).write_bytes(path.read_bytes())
+    manifest = json.loads((old / MANIFEST).read_text())
+    del manifest["vocab_sha256"]
+    (old / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(SpecMTPError, match="records no tokenizer vocabulary"):
+        data.rescore_cache(DistillCache.open(old), tiny, tmp_path / "r2")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model
 from safetensors.torch import load_file
 
 from specmtp.cli import main
@@ -126,3 +128,35 @@ def test_kl_objective_caches_the_targets_top_k_and_needs_it(
         train_mtp(reuse)
     with pytest.raises(SpecMTPError, match="objective must be"):
         replace(kl, objective="mse")
+
+
+def test_heads_for_a_draft_learn_the_targets_answers_from_the_drafts_features(
+    tiny_target: Path, prompts: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """--answers-from: the target's cache, rescored by the draft; the heads load on the
+    draft (`MODEL#heads=DIR`) and are refused by the target."""
+    teacher = tmp_path / "teacher"
+    train_mtp(config(tiny_target, prompts, teacher, steps=1))
+    draft_dir = tmp_path / "draft"  # another architecture on the same tokenizer
+    tokenizer = load_model(str(tiny_target)).tokenizer
+    tiny_model("qwen2", seed=3, vocab_size=len(tokenizer), context=512).save_pretrained(draft_dir)
+    tokenizer.save_pretrained(draft_dir)
+    out = tmp_path / "heads"
+    code = main([
+        "train-mtp", "--target", str(draft_dir), "--data", str(prompts), "--out", str(out),
+        "--answers-from", str(teacher / "data"), "--steps", "2", "--num-heads", "2",
+        "--batch-size", "2", "--seq-len", "64", "--draft-vocab", "300",
+        "--heldout-fraction", "0.25",
+    ])  # fmt: skip
+    assert code == 0, capfd.readouterr().err
+    data = json.loads((out / "data" / "manifest.json").read_text())
+    teacher_data = json.loads((teacher / "data" / "manifest.json").read_text())
+    assert data["answers_from"]["key"] == teacher_data["key"]
+    assert (
+        data["model"]["spec"] == str(draft_dir) and data["num_tokens"] == teacher_data["num_tokens"]
+    )
+    load_heads(out, target_model=load_model(str(draft_dir)).model)
+    with pytest.raises(SpecMTPError, match="were trained for base model"):
+        load_heads(out, target_model=load_model(str(tiny_target)).model)
+    with pytest.raises(SpecMTPError, match="not both"):
+        replace(config(draft_dir, prompts, out, 2), cache=out / "data", answers_from=out / "data")
