@@ -438,10 +438,12 @@ class MTPDrafter:
         else:
             logits = self._head_logits(k)  # [B, k, V]
             width = max(path[-1] for path in tree.paths) + 1
-            top = logits.float().log_softmax(-1).topk(width, dim=-1)  # [B, k, width]
+            top = logits.topk(width, dim=-1)  # [B, k, width]
             candidates = list(top.indices.unbind(1))  # k x [B, width]
-            chance = top.values  # [B, k, width]: each head's log-probability by rank
-            logprob = {p: sum(chance[:, d, r] for d, r in enumerate(p)) for p in tree.paths}
+            logprob = {}
+            if self.nodes is not None:  # each head's log-probability by rank
+                chance = top.values.float() - logits.float().logsumexp(-1, keepdim=True)
+                logprob = {p: sum(chance[:, d, r] for d, r in enumerate(p)) for p in tree.paths}
         if self.nodes is not None:  # one tree for the batch: the paths' mean log-probability
             tree = likeliest_subtree({p: float(lp.mean()) for p, lp in logprob.items()}, self.nodes)
         return Proposal(build_tree_tokens(tree, candidates), None, tree=tree)
