@@ -137,7 +137,8 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
     _add_common_flags(gen)
     gen.add_argument(
         "--draft",
-        help="draft: a model spec as for --target (MODEL#vocab=N: its first N token ids); "
+        help="draft: a model spec as for --target (MODEL#vocab=N: its first N token ids; "
+        "MODEL#heads=DIR, last: MTP heads trained on it by train-mtp --answers-from); "
         "ngram[:N] (prompt lookup); mtp, mtp-tree (MTP heads; mtp-tree#nodes=N: the tree's N "
         "likeliest nodes each round); general, distilled, distilled-mtp (shipped drafts); "
         "ngram[:N]+SPEC (lookup when it finds a match, SPEC otherwise); omitted: plain decoding",

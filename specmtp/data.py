@@ -18,6 +18,11 @@ the default model), so the last decoder layer's pre-norm output is not among the
 
 Shards and the manifest are written to a temporary file and renamed into place, manifest last,
 so a killed build leaves only complete shards, which a rerun of `build_cache` keeps.
+
+A rescored cache (`rescore_cache`, `train-mtp --answers-from`) holds another model's answers
+(and its top-k) with this model's hidden states: heads on a draft model learn what the target
+says from what the draft sees. The manifest records a digest of the tokenizer's vocabulary,
+so a rescoring model whose token ids mean other tokens is refused.
 """
 
 from __future__ import annotations
