@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from specmtp.api import SpecGenerator, eos_token_ids, gamma_settings
-from specmtp.bench_results import BASELINE, MethodResult, PromptRun, table
+from specmtp.bench_results import BASELINE, MethodResult, PromptRun, step_in_runs, table
 from specmtp.config import GenerationConfig
 from specmtp.costmodel import CostModel, measure_verify_costs
 from specmtp.drafters import drafter_tree, has_arms
@@ -48,6 +48,7 @@ from specmtp.prompts import BenchPrompt, context_text, load_prompt_spec
 from specmtp.stats import GenerationStats, resident_bytes
 
 WARMUP_TOKENS = 8  # a warm-up only needs to touch every code path once
+PLAIN_STEP_TOLERANCE = 0.1  # warn when T(1) and ar's own steps differ by more than this
 HF_PREFIX = "hf-"
 HF_DEFAULTS = "default"  # hf-assisted:MODEL@default: transformers' own assisted settings
 
@@ -304,6 +305,15 @@ def measure_costs(
     }
 
 
+def plain_step_check(methods: dict[str, MethodResult]) -> dict[str, float | None]:
+    """T(1) as timed for the cost model against `ar`'s own steps in its timed runs."""
+    plain = methods.get(BASELINE)
+    timed = None if plain is None else plain.plain_step_s
+    in_runs = None if plain is None else step_in_runs(plain.runs)
+    ratio = None if timed is None or not in_runs else round(timed / in_runs, 4)
+    return {"timed_t1_s": timed, "ar_step_s": in_runs, "ratio": ratio}
+
+
 def summarize(
     runners: dict[str, Runner],
     runs: dict[str, list[PromptRun]],
@@ -363,6 +373,7 @@ class BenchResult:
     def to_dict(self) -> dict[str, Any]:
         main_cost = next((m.cost for m in reversed(self.methods.values()) if m.cost), None)
         return {
+            "plain_step": plain_step_check(self.methods),
             "methods": {name: m.to_dict() for name, m in self.methods.items()},
             "by_temperature": {
                 t: {name: m.to_dict(per_prompt=False) for name, m in methods.items()}
@@ -415,7 +426,15 @@ def _pass(
 ) -> dict[str, MethodResult]:
     runs = measure(runners, prompts, ids, generation, config.repeats, log)
     costs = measure_costs(runners, runs, typical_context(ids, runs[BASELINE]), log)
-    return summarize(runners, runs, costs, generation.sampling.greedy)
+    methods = summarize(runners, runs, costs, generation.sampling.greedy)
+    check = plain_step_check(methods)
+    if check["ratio"] is not None and abs(check["ratio"] - 1) > PLAIN_STEP_TOLERANCE:
+        log(
+            f"warning: T(1) timed {1e3 * check['timed_t1_s']:.1f} ms, but ar's steps took "
+            f"{1e3 * check['ar_step_s']:.1f} ms in its runs: every efficiency is off by "
+            f"about {abs(check['ratio'] - 1):.0%}"
+        )
+    return methods
 
 
 def context_sweep(

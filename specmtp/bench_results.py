@@ -14,6 +14,9 @@ Definitions (per method, over all prompts):
   plain decoding's T(1) per token. For a fixed γ this is Leviathan et al.'s formula with the
   per-position α measured in the run. efficiency = speedup / predicted_speedup: 1.0 means the
   loop adds nothing beyond the model forwards and the drafter.
+- plain_step: T(1) as timed for the cost model against `ar`'s mean forward time per step in
+  its timed runs; a ratio far from 1 (machine load changed, or the typical context's step
+  is not the runs' average) moves every efficiency by about as much.
 - ttft_s / tpot_s: mean time to the first new token, and per new token after it.
 - peak_rss_bytes: the process's resident memory, highest sample while the method ran (one
   process holds every method's models, so compare differences, not totals).
@@ -83,6 +86,13 @@ def acceptance_per_position(runs: Sequence[PromptRun]) -> list[float | None]:
         accepted = sum(r.stats.position_accepted[i] for r in runs if i < r.stats.gamma)
         rates.append(accepted / proposed if proposed else None)
     return rates
+
+
+def step_in_runs(runs: Sequence[PromptRun]) -> float | None:
+    """Mean target forward time per round in timed runs: for `ar` (one-token rounds) what
+    T(1), timed apart after the runs at one typical context, should come close to."""
+    rounds = sum(r.stats.rounds for r in runs if r.has_rounds)
+    return sum(r.stats.verify_s for r in runs if r.has_rounds) / rounds if rounds else None
 
 
 def predicted_speedup(runs: Sequence[PromptRun], cost: CostModel, plain_step_s: float) -> float:

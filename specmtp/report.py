@@ -282,7 +282,16 @@ def _cost_table(result: dict[str, Any]) -> str:
             times[int(n)] = float(t)
     t1 = times.get(1)
     rows = [[n, t * 1e3, t / t1 if t1 else None] for n, t in sorted(times.items())]
-    return _table(["tokens verified n", "T(n) ms", "T(n) / T(1)"], rows)
+    text = _table(["tokens verified n", "T(n) ms", "T(n) / T(1)"], rows)
+    check = as_dict(result.get("plain_step"))
+    timed, in_runs = num(check.get("timed_t1_s")), num(check.get("ar_step_s"))
+    if timed and in_runs:
+        text += (
+            f"\n\nPlain decoding's T(1), timed for the cost model: {timed * 1e3:.1f} ms; `ar`'s "
+            f"steps in its timed runs: {in_runs * 1e3:.1f} ms (ratio {timed / in_runs:.2f}). "
+            "Efficiencies move with this ratio."
+        )
+    return text
 
 
 def _count(value: Any) -> int | None:

@@ -99,6 +99,7 @@ def test_table_first_json_last(greedy: tuple[str, str, dict[str, Any]]) -> None:
     assert [line.split()[0] for line in lines[2:-1]] == ["ar", *OURS, "hf-prompt-lookup"]
     assert set(report) == {
         "methods", "by_temperature", "context_sweep", "gamma_sweep", "cost_model", "config",
+        "plain_step",
     }  # fmt: skip
     # progress goes to stderr: [i/n] GROUP QUESTION_ID METHOD: ...
     assert f"[3/4] {SUITE}/coding 3 ngram@auto: {NEW_TOKENS} tokens in " in err
@@ -137,6 +138,10 @@ def test_cost_model_prediction_for_ours_only(greedy: tuple[str, str, dict[str, A
     assert hf["mean_accepted_tokens"] is None and hf["acceptance_per_position"] == []
     assert set(report["cost_model"]["verify_s"]) >= {"1", "2"}
     assert all(t > 0 for t in report["cost_model"]["verify_s"].values())
+    # T(1) as timed, against ar's own steps: its forward time over its rounds.
+    check = report["plain_step"]
+    assert check["ar_step_s"] == pytest.approx(methods["ar"]["verify_s"] / ar_rounds, rel=1e-2)
+    assert check["ratio"] == pytest.approx(check["timed_t1_s"] / check["ar_step_s"], rel=1e-3)
 
 
 def test_latency_and_memory(greedy: tuple[str, str, dict[str, Any]]) -> None:

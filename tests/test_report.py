@@ -134,6 +134,7 @@ def full_result() -> dict[str, Any]:
             ],
         },
         "cost_model": {"verify_s": {"1": 0.02, "2": 0.021, "4": 0.025}},
+        "plain_step": {"timed_t1_s": 0.02, "ar_step_s": 0.025, "ratio": 0.8},
         "config": {
             "target": "default",
             "drafts": ["mtp", "ngram"],
@@ -288,6 +289,8 @@ def test_sweep_tables(result: dict[str, Any], tmp_path: Path) -> None:
     ]
     cost = section(text, "Cost model: target forward time T(n)")
     assert table_row(cost, "4") == ["4", "25.00", "1.25"]
+    assert "timed for the cost model: 20.0 ms; `ar`'s steps in its timed runs: 25.0 ms" in cost
+    assert "(ratio 0.80)" in cost
 
 
 def test_tree_sweeps_are_shown_by_node_budget(result: dict[str, Any], tmp_path: Path) -> None:
