@@ -436,7 +436,7 @@ def _check_identity(directory: Path, found: dict[str, Any], wanted: dict[str, An
         if found.get(name) != wanted.get(name):
             raise SpecMTPError(
                 f"cache {directory} was built with a different {label} "
-                f"({found.get(name)} != {wanted[name]}); use a new directory"
+                f"({found.get(name)} != {wanted.get(name)}); use a new directory"
             )
 
 

@@ -260,16 +260,19 @@ class DraftModelDrafter:
             if heads is None:
                 raise ValueError("multi-token drafting needs a draft with MTP heads")
         self.heads = heads
-        self.multi_token = heads is not None
         self.output_ids = output_ids
         if output_ids is not None:
             restrict_output_vocab(model, output_ids)
         self.runner = CachedModel(
-            model, vocab_size=vocab_size, name=name, keep_hidden=self.multi_token
+            model, vocab_size=vocab_size, name=name, keep_hidden=heads is not None
         )
         self.name = name
         self.needs_target_hidden = False
         self.fed = torch.empty(1, 0, dtype=torch.long)  # [1, runner.length]
+
+    @property
+    def multi_token(self) -> bool:
+        return self.heads is not None
 
     def reset(self) -> None:
         self.runner.reset()

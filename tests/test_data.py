@@ -354,9 +354,12 @@ def test_a_rescored_cache_keeps_the_answers_and_takes_the_other_models_hidden_st
     assert {n: t for n, t in after.items() if n != MANIFEST} == {
         n: t for n, t in before.items() if n != MANIFEST
     }
-    other = build_cache(tiny, PROMPTS, tmp_path / "o", config=replace(CONFIG, max_new_tokens=5))
-    with pytest.raises(SpecMTPError, match=r"different settings|different answering cache"):
+    other = build_cache(tiny_loaded(default, seed=2), PROMPTS, tmp_path / "o", config=CONFIG)
+    with pytest.raises(SpecMTPError, match="different answering cache"):
         data.rescore_cache(other, draft, tmp_path / "r")
+    # A plain build into a rescored directory is refused with the same one line.
+    with pytest.raises(SpecMTPError, match="different answering cache"):
+        build_cache(draft, PROMPTS, tmp_path / "r", config=CONFIG)
 
 
 def test_rescoring_needs_the_same_token_ids(
