@@ -27,7 +27,7 @@ from specmtp.drafters import (
     NgramDrafter,
 )
 from specmtp.errors import SpecMTPError
-from specmtp.heads import ParallelHeads, load_heads, shipped_heads_dir
+from specmtp.heads import SequentialMTP, load_heads, shipped_heads_dir
 from specmtp.kernels import apply_kernel_plan, tuned_linear_enabled, use_tuned_linear
 from specmtp.models import LoadedModel, check_tokenizers_agree, load_model, usable_vocab_size
 from specmtp.output_vocab import output_vocab_ids
@@ -104,7 +104,7 @@ def build_model_drafter(
     heads_dir: str | None = None,
 ) -> tuple[DraftModelDrafter, int]:
     """A causal LM with the target's tokenizer, given by name or path, drafting on its own
-    or, with `heads_dir`, with parallel MTP heads trained on it (several tokens a forward)."""
+    or, with `heads_dir`, with MTP heads trained on it (several tokens a forward)."""
     draft = load_model(spec, dtype=dtype)
     check_tokenizers_agree(
         target.tokenizer, draft.tokenizer, target_name=target.spec, draft_name=draft.spec
@@ -113,10 +113,11 @@ def build_model_drafter(
     heads = None
     if heads_dir is not None:  # before the output matrix is cut: the heads check its shape
         heads, config = load_heads(heads_dir, target_model=draft.model)
-        if not isinstance(heads, ParallelHeads):
+        largest = config.vocab_size - 1 if config.draft_vocab is None else max(config.draft_vocab)
+        if isinstance(heads, SequentialMTP) and largest >= vocab:
             raise SpecMTPError(
-                f"{DRAFT_HEADS}DIR needs parallel heads (train-mtp --kind parallel); "
-                f"{heads_dir} holds {config.kind} ones"
+                f"the sequential heads in {heads_dir} can draft token id {largest}, but the "
+                f"target's vocabulary ends at {vocab - 1}; train them with --draft-vocab"
             )
     name = spec if output_vocab is None else f"{spec}{OUTPUT_VOCAB}{output_vocab}"
     name = name if heads_dir is None else f"{name}{DRAFT_HEADS}{heads_dir}"

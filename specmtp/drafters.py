@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors
@@ -235,9 +236,12 @@ class DraftModelDrafter:
     round it is cropped back to the part of `fed` that the target committed.
 
     With `multi_token` (a `draft_model.DraftLM` whose own MTP heads are used) or `heads`
-    (parallel MTP heads trained on this model by `specmtp train-mtp --target`), each draft
-    forward proposes 1 + K tokens: the next one from its LM head, the K after it from its
-    heads, all read off the same hidden state; the next forward feeds those tokens at once.
+    (MTP heads trained on this model by `specmtp train-mtp --target`), each draft forward
+    proposes 1 + K tokens: the next one from its LM head, the K after it from its heads;
+    the next forward feeds those tokens at once. Parallel heads read them all off the last
+    hidden state. Sequential depths chain from the LM head's token, each over the history
+    of this model's own hidden states (mtp_cache.py, as for the target's); their tokens are
+    fixed choices given the ones before them, so their q is one-hot.
 
     With `output_ids` [N] (a reduced output vocabulary), the model's LM head is cut to
     those rows, so each draft step scores N tokens instead of V; its logits are put back
@@ -252,7 +256,7 @@ class DraftModelDrafter:
         vocab_size: int,
         name: str = "draft",
         multi_token: bool = False,
-        heads: ParallelHeads | None = None,
+        heads: Heads | None = None,
         output_ids: torch.Tensor | None = None,
     ) -> None:
         if multi_token and heads is None:
@@ -260,6 +264,8 @@ class DraftModelDrafter:
             if heads is None:
                 raise ValueError("multi-token drafting needs a draft with MTP heads")
         self.heads = heads
+        # Sequential depths attend over this model's hidden states of every position fed.
+        self.history = SequentialDraftCache(heads) if isinstance(heads, SequentialMTP) else None
         self.output_ids = output_ids
         if output_ids is not None:
             restrict_output_vocab(model, output_ids)
@@ -277,6 +283,8 @@ class DraftModelDrafter:
     def reset(self) -> None:
         self.runner.reset()
         self.fed = torch.empty(1, 0, dtype=torch.long, device=self.runner.device)
+        if self.history is not None:
+            self.history.reset()
 
     def _rollback_to_prefix_of(self, context: torch.Tensor) -> None:
         m = min(self.fed.shape[1], context.shape[1])
@@ -284,6 +292,8 @@ class DraftModelDrafter:
         common = m if bool(same.all()) else int(same.long().argmin())
         self.runner.crop(common)
         self.fed = self.fed[:, :common]
+        if self.history is not None:
+            self.history.crop(common)
 
     def propose(
         self,
@@ -300,16 +310,44 @@ class DraftModelDrafter:
         while len(tokens) < k:
             logits = self._full(self.runner.forward(fresh, last_only=True)[:, -1])  # [B, V]
             self.fed = torch.cat([self.fed, fresh], 1)
-            step = [logits, *self._head_logits()][: k - len(tokens)]  # each [B, V]
-            for row in step:
-                q = None if sampling.greedy else logits_to_probs(row, sampling)  # [B, V]
-                tokens.append(greedy_tokens(row) if q is None else choose(q, sampling, generator))
-                probs.append(q)
+            if self.history is not None:
+                self.history.add_hidden(self.runner.last_hidden)
+            step = self._draft_step(logits, k - len(tokens), sampling, generator)
+            tokens += [token for token, _ in step]
+            probs += [q for _, q in step]
             fresh = torch.stack(tokens[-len(step) :], 1)  # [B, m]: fed next, if more needed
         draft_probs = None if sampling.greedy or not probs else torch.stack(probs, 1)  # [B,k,V]
         if not tokens:
             return empty_proposal(context.shape[0], context.device)
         return Proposal(torch.stack(tokens, 1), draft_probs)
+
+    def _draft_step(
+        self,
+        logits: torch.Tensor,
+        budget: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """What one draft forward proposes, at most `budget` tokens, from the LM head's
+        logits [B, V] at the last position fed: each token [B] with its q [B, V] (None when
+        greedy)."""
+        if self.history is None:  # the LM head and the parallel heads read one hidden state
+            step = []
+            for row in [logits, *self._head_logits()][:budget]:  # each [B, V]
+                q = None if sampling.greedy else logits_to_probs(row, sampling)  # [B, V]
+                token = greedy_tokens(row) if q is None else choose(q, sampling, generator)
+                step.append((token, q))
+            return step
+        q = None if sampling.greedy else logits_to_probs(logits, sampling)
+        first = greedy_tokens(logits) if q is None else choose(q, sampling, generator)
+        step = [(first, q)]
+        depths = min(budget - 1, len(self.history.heads.depths))
+        if depths > 0:  # the chain after `first`, one depth per token
+            chain, _ = self.history.draft(torch.cat([self.fed, first[:, None]], 1), depths)
+            for token in chain.unbind(1):  # [B]: the depth's top-1, a fixed choice
+                fixed = None if q is None else F.one_hot(token, q.shape[-1]).to(q.dtype)
+                step.append((token, fixed))
+        return step
 
     def _full(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [B, N] over the output ids -> [B, V]; full-vocabulary logits as they are."""
@@ -321,8 +359,8 @@ class DraftModelDrafter:
 
     @torch.inference_mode()
     def _head_logits(self) -> list[torch.Tensor]:
-        """The MTP heads' full-vocabulary logits at the last fed position, each [B, V]."""
-        if self.heads is None:
+        """Parallel heads' full-vocabulary logits at the last fed position, each [B, V]."""
+        if not isinstance(self.heads, ParallelHeads):
             return []
         hidden = self.runner.last_hidden[:, -1:]  # [B, 1, H]
         logits = self.heads.to_full_logits(self.heads(hidden)[:, :, -1])  # [B, K, V]
@@ -336,10 +374,11 @@ class DraftModelDrafter:
         return list({id(t): t for t in module_tensors(self.runner.model) + heads}.values())
 
     def kv_bytes(self) -> int:
-        return self.runner.kv_bytes()
+        return self.runner.kv_bytes() + (0 if self.history is None else self.history.nbytes())
 
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.runner.model)
+        own = kv_bytes_per_token(self.runner.model)
+        return own if self.history is None else own + self.history.bytes_per_position()
 
 
 class MTPDrafter:
@@ -391,12 +430,7 @@ class MTPDrafter:
         return 0 if self.history is None else self.history.nbytes()
 
     def kv_bytes_per_token(self) -> int:
-        if self.history is None:
-            return 0
-        # Per position: the target's hidden state, and each depth's key, value and state.
-        config = self.heads.config
-        element = self.heads.projection.weight.element_size()
-        return config.hidden_size * (1 + 3 * config.num_heads) * element
+        return 0 if self.history is None else self.history.bytes_per_position()
 
     def observe(self, outcome: Outcome) -> None:
         assert outcome.target_hidden is not None  # the loop keeps it: needs_target_hidden

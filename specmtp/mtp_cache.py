@@ -57,6 +57,27 @@ class SequentialDraftCache:
         """The target's hidden states [B, m, H] at the next m positions it has verified."""
         self.hidden = hidden if self.hidden is None else torch.cat([self.hidden, hidden], 1)
 
+    def crop(self, tokens: int) -> None:
+        """Keep only what depends on the first `tokens` tokens alone: their hidden states
+        h_0 .. h_{tokens-1}, and depth i's positions s <= tokens-2-i (s reads x_{s+1+i}).
+        For a draft model, whose hidden states cover every token it has read and whose
+        fed tokens may be rolled back."""
+        if self.hidden is not None:
+            self.hidden = self.hidden[:, :tokens] if tokens > 0 else None
+        for i in range(len(self.heads.depths)):
+            keep = max(0, min(self.cached(i), tokens - 1 - i))
+            kv, states = self.kv[i], self.states[i]
+            if kv is None or states is None or keep == states.shape[1]:
+                continue
+            self.kv[i] = None if keep == 0 else (kv[0][:, :, :keep], kv[1][:, :, :keep])
+            self.states[i] = None if keep == 0 else states[:, :keep]
+
+    def bytes_per_position(self) -> int:
+        """Bytes a position adds: its hidden state, and each depth's key, value and state."""
+        config = self.heads.config
+        element = self.heads.projection.weight.element_size()
+        return config.hidden_size * (1 + 3 * config.num_heads) * element
+
     def cached(self, depth: int) -> int:
         """Positions in this depth's cache (0 .. L_i - 1)."""
         states = self.states[depth]

@@ -1,6 +1,6 @@
 """A draft model with MTP heads trained on it (`MODEL#heads=DIR`): each draft forward
-proposes 1 + K tokens, the heads' tokens are the ones drafted, and what is accepted does
-not change."""
+proposes 1 + K tokens, the heads' tokens (parallel) or depths' chain (sequential) are the
+ones drafted, and what is accepted does not change."""
 
 from __future__ import annotations
 
@@ -8,13 +8,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model
 from transformers import AutoModelForCausalLM
 
 from specmtp.api import SpecGenerator, build_drafter
+from specmtp.cache import kv_bytes_per_token
 from specmtp.config import SamplingConfig
 from specmtp.drafters import DraftModelDrafter, Outcome
 from specmtp.errors import SpecMTPError
-from specmtp.heads import HeadsConfig, build_heads, describe_target, save_heads
+from specmtp.heads import (
+    HeadsConfig,
+    SequentialMTP,
+    build_heads,
+    describe_target,
+    save_heads,
+)
 from specmtp.models import load_model
 from specmtp.sampling import logits_to_probs
 
@@ -27,7 +35,14 @@ def _prompt(seed: int, length: int = 12) -> list[int]:
     ).tolist()
 
 
-def _save_heads(model_dir: Path, out: Path, *, kind: str = "parallel", seed: int = 0) -> Path:
+def _save_heads(
+    model_dir: Path,
+    out: Path,
+    *,
+    kind: str = "parallel",
+    seed: int = 0,
+    draft_vocab: tuple[int, ...] | None = tuple(range(0, 6000)),
+) -> Path:
     """Heads for the model in `model_dir`, their residual blocks set to random weights so
     that each head predicts something other than the LM head's next token."""
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -37,7 +52,7 @@ def _save_heads(model_dir: Path, out: Path, *, kind: str = "parallel", seed: int
         hidden_size=model.config.hidden_size,
         vocab_size=model.get_output_embeddings().weight.shape[0],
         base_model=describe_target(model),
-        draft_vocab=tuple(range(0, 6000)),
+        draft_vocab=draft_vocab,
     )
     torch.manual_seed(seed)
     heads = build_heads(config, model)
@@ -52,6 +67,24 @@ def _save_heads(model_dir: Path, out: Path, *, kind: str = "parallel", seed: int
 @pytest.fixture(scope="module")
 def heads_dir(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _save_heads(tiny_target, tmp_path_factory.mktemp("draft-heads"))
+
+
+@pytest.fixture(scope="module")
+def sequential_dir(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save_heads(tiny_target, tmp_path_factory.mktemp("draft-seq"), kind="sequential")
+
+
+def _count_forwards(drafter: DraftModelDrafter) -> list[int]:
+    """A one-element list that counts the draft model's forwards from now on."""
+    forwards = [0]
+    forward = drafter.runner.forward
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        forwards[0] += 1
+        return forward(*args, **kwargs)  # type: ignore[arg-type]
+
+    drafter.runner.forward = counting  # type: ignore[method-assign]
+    return forwards
 
 
 def _reference_rows(drafter: DraftModelDrafter, context: list[int], k: int) -> torch.Tensor:
@@ -80,20 +113,12 @@ def test_each_forward_drafts_the_next_token_and_the_heads_tokens(
     drafter, _ = build_drafter(f"{tiny_target}#heads={heads_dir}", target)
     assert isinstance(drafter, DraftModelDrafter) and drafter.multi_token
     assert drafter.name == f"{tiny_target}#heads={heads_dir}"
-    forwards = 0
-    forward = drafter.runner.forward
-
-    def counting(*args: object, **kwargs: object) -> torch.Tensor:
-        nonlocal forwards
-        forwards += 1
-        return forward(*args, **kwargs)  # type: ignore[arg-type]
-
-    drafter.runner.forward = counting  # type: ignore[method-assign]
+    forwards = _count_forwards(drafter)
     drafter.reset()
     context = _prompt(1)
     greedy = SamplingConfig()
     proposal = drafter.propose(torch.tensor([context]), 5, greedy, None)
-    assert forwards == 2  # 1 + K = 3 tokens a forward
+    assert forwards == [2]  # 1 + K = 3 tokens a forward
     drafted = proposal.tokens[0].tolist()
     expected = _reference_rows(drafter, context, 5)
     assert drafted == expected.argmax(-1).tolist()
@@ -122,10 +147,93 @@ def test_each_forward_drafts_the_next_token_and_the_heads_tokens(
     assert torch.all(proposal.probs[0, 1:, 6000:] == 0)
 
 
-def test_greedy_output_is_plain_decodings(tiny_target: Path, heads_dir: Path) -> None:
+@torch.inference_mode()
+def _depth_chain(drafter: DraftModelDrafter, base: list[int], first: int, m: int) -> list[int]:
+    """Depths 0..m-1's greedy chain after `base` and its next token `first`, by whole
+    forwards, teacher-forced (`forward_all`, the training computation): depth i's top-1 at
+    the last position of `base`."""
+    model, heads = drafter.runner.model, drafter.heads
+    assert isinstance(heads, SequentialMTP)
+    sequence = [*base, first]
+    for i in range(m):
+        ids = torch.tensor([sequence])
+        hidden = model(ids, output_hidden_states=True).hidden_states[-1]
+        logits = heads.forward_all(hidden, ids)[i][0, len(base) - 1]  # [V']
+        sequence.append(int(heads.to_full_ids(logits.argmax())))
+    return sequence[len(base) + 1 :]
+
+
+@torch.inference_mode()
+def _sequential_reference(drafter: DraftModelDrafter, context: list[int], k: int) -> list[int]:
+    """The greedy drafts: per draft forward, the LM head's next token after the context
+    and the drafts so far, then the depths' chain after it."""
+    depths = drafter.heads.config.num_heads if drafter.heads is not None else 0
+    drafted: list[int] = []
+    while len(drafted) < k:
+        base = context + drafted
+        first = int(drafter.runner.model(torch.tensor([base])).logits[0, -1].argmax())
+        drafted += [first, *_depth_chain(drafter, base, first, min(depths, k - len(drafted) - 1))]
+    return drafted
+
+
+def test_sequential_depths_draft_over_the_history_across_rounds(
+    tiny_target: Path, sequential_dir: Path
+) -> None:
+    target = load_model(str(tiny_target))
+    drafter, _ = build_drafter(f"{tiny_target}#heads={sequential_dir}", target)
+    assert isinstance(drafter, DraftModelDrafter) and drafter.multi_token
+    assert drafter.history is not None
+    forwards = _count_forwards(drafter)
+    drafter.reset()
+    context, greedy = _prompt(2), SamplingConfig()
+    chance = torch.Generator().manual_seed(0)
+    for _ in range(6):  # rounds of random acceptance; the caches keep only committed tokens
+        forwards[0] = 0
+        drafted = drafter.propose(torch.tensor([context]), 5, greedy, None).tokens[0].tolist()
+        assert forwards == [2]  # 1 + K = 3 tokens, then 2 more
+        assert drafted == _sequential_reference(drafter, context, 5)
+        kept = int(torch.randint(0, 6, (1,), generator=chance))
+        context = [*context, *drafted[:kept], int(torch.randint(100, 5000, (1,), generator=chance))]
+        drafter.observe(Outcome(torch.tensor([context]), num_accepted=kept, target_hidden=None))
+        assert drafter.history.hidden is not None
+        assert drafter.history.hidden.shape[1] == drafter.fed.shape[1] <= len(context)
+    assert drafter.kv_bytes() > drafter.runner.kv_bytes()
+    assert drafter.kv_bytes_per_token() > kv_bytes_per_token(drafter.runner.model)
+    # A random depth disagrees with the model's own continuation: the heads do draft.
+    with torch.inference_mode():
+        plain = drafter.runner.model.generate(
+            torch.tensor([context]), max_new_tokens=3, min_new_tokens=3, do_sample=False
+        )[0, len(context) :].tolist()
+    assert _sequential_reference(drafter, context, 3) != plain
+
+
+def test_sequential_depth_drafts_are_fixed_choices_when_sampling(
+    tiny_target: Path, sequential_dir: Path
+) -> None:
+    target = load_model(str(tiny_target))
+    drafter, _ = build_drafter(f"{tiny_target}#heads={sequential_dir}", target)
+    assert isinstance(drafter, DraftModelDrafter)
+    drafter.reset()
+    context, sampled = _prompt(3), SamplingConfig(temperature=1.0)
+    proposal = drafter.propose(torch.tensor([context]), 3, sampled, torch.Generator())
+    assert proposal.probs is not None and proposal.probs.shape[:2] == (1, 3)
+    got = proposal.tokens[0].tolist()
+    with torch.inference_mode():
+        logits = drafter.runner.model(torch.tensor([context])).logits[0, -1]
+    torch.testing.assert_close(proposal.probs[0, 0], logits_to_probs(logits, sampled))
+    # After the sampled first token, the depths' greedy chain, with one-hot q.
+    assert got[1:] == _depth_chain(drafter, context, got[0], 2)
+    assert torch.equal(proposal.probs[0, 1:].argmax(-1), torch.tensor(got[1:]))
+    assert torch.equal(proposal.probs[0, 1:].sum(-1), torch.ones(2))
+
+
+def test_greedy_output_is_plain_decodings(
+    tiny_target: Path, heads_dir: Path, sequential_dir: Path
+) -> None:
     plain = SpecGenerator(str(tiny_target))
     headed = SpecGenerator(str(tiny_target), draft=f"{tiny_target}#heads={heads_dir}")
     cut = SpecGenerator(str(tiny_target), draft=f"{tiny_target}#vocab=3000#heads={heads_dir}")
+    chained = SpecGenerator(str(tiny_target), draft=f"{tiny_target}#heads={sequential_dir}")
     for seed in range(3):
         prompt = _prompt(seed)
         expected = plain.generate(prompt, max_new_tokens=30).tokens
@@ -134,19 +242,28 @@ def test_greedy_output_is_plain_decodings(tiny_target: Path, heads_dir: Path) ->
         # The LM head (the target itself) is right every round, the random heads rarely.
         assert done.stats.rounds <= done.stats.accepted_tokens < done.stats.drafted_tokens
         assert cut.generate(prompt, max_new_tokens=30, gamma=4).tokens == expected
+        done = chained.generate(prompt, max_new_tokens=30, gamma=5)
+        assert done.tokens == expected
+        assert done.stats.rounds <= done.stats.accepted_tokens < done.stats.drafted_tokens
 
 
 def test_bad_head_specs_are_refused(
     tiny_target: Path, heads_dir: Path, tmp_path: Path, specmtp_cache: Path
 ) -> None:
     target = load_model(str(tiny_target))
-    sequential = _save_heads(tiny_target, tmp_path / "seq", kind="sequential")
+    # A draft whose output matrix is wider than the target's vocabulary (padded rows):
+    # sequential heads over all of it could draft ids the target does not have.
+    padded = tmp_path / "padded"
+    wide = tiny_model("llama", seed=1, vocab_size=target.model.config.vocab_size + 64)
+    wide.save_pretrained(padded)
+    target.tokenizer.save_pretrained(padded)
+    sequential = _save_heads(padded, tmp_path / "seq", kind="sequential", draft_vocab=None)
     for spec, message in [
         (f"{tiny_target}#heads=", "use MODEL#heads=DIR"),
         (f"#heads={heads_dir}", "use MODEL#heads=DIR"),
         (f"mtp#heads={heads_dir}", "applies to a draft model given by name or path"),
         (f"distilled#heads={heads_dir}", "applies to a draft model given by name or path"),
-        (f"{tiny_target}#heads={sequential}", "needs parallel heads"),
+        (f"{padded}#heads={sequential}", "can draft token id"),
         (f"{tiny_target}#heads={tmp_path / 'none'}", "cannot read heads"),
         (f"default#heads={heads_dir}", "were trained for"),  # another model's heads
     ]:
