@@ -8,9 +8,10 @@ A schedule is asked for each round's γ and told what the round did. Three kinds
   that maximises expected tokens per second under a measured cost model (costmodel.py).
   Under sampling it ignores wall-clock timings (a seed must fix the output, and γ decides
   how the generator's numbers are used): only acceptances and the given costs steer it.
-  It includes a never-slower guard: when no γ >= 1 is predicted to beat plain decoding, it
-  drafts nothing, and probes with γ = 1 now and then (at growing intervals) in case the
-  text has become predictable again.
+  It includes a never-slower guard: when no γ >= 1 is predicted to beat plain decoding,
+  not even with the first position's acceptance at the top of what the sequence's longer
+  record allows, it drafts nothing, and probes with γ = 1 now and then (at growing
+  intervals) in case the text has become predictable again.
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ class AdaptiveSettings:
     decay: float = 0.95  # per round: older evidence fades, so estimates follow the text
     cost_decay: float = 0.9  # per round: how fast the machine's speed factor is re-estimated
     margin: float = 1.02  # speculate only when predicted to be this much faster
+    # The fallback reads the first position's acceptance over a longer record (decay per
+    # round), raised by `confidence` standard errors: near break-even, the ~20 rounds that
+    # `decay` keeps dip below it by chance, and plain rounds gather no evidence to undo it.
+    long_decay: float = 0.99
+    confidence: float = 1.0
     first_probe: int = 4  # plain rounds before the first probe; doubles after a failed one
     last_probe: int = 64
 
@@ -121,18 +127,37 @@ class AdaptiveGamma:
         self.seen_verify_s: dict[int, float] = {}
         self.plain_rounds = 0
         self.probe_every = settings.first_probe
+        self.long_record = [0.0, 0.0]  # first position: accepted, reached (long_decay)
 
     @property
     def alphas(self) -> list[float]:
-        """Estimates per position. Past the profile's prior, a position's prior is the
-        estimate of the one before it, so a drafter that is always right is not held back
-        at a short γ by positions it has not tried yet (0.5 before any evidence)."""
+        """Estimates per position. The profile's prior for a later position is scaled by
+        how this text's first position compares with the profile's (the one position with
+        evidence every round: text harder than the tuning prompts there is harder further
+        on too). Past the profile's prior, a position's prior is the estimate of the one
+        before it, so a drafter that is always right is not held back at a short γ by
+        positions it has not tried yet (0.5 before any evidence)."""
         s = self.settings.prior_strength
         estimates: list[float] = []
         for i, (a, r) in enumerate(zip(self.accepted, self.reached, strict=True)):
-            p = self.prior[i] if i < len(self.prior) else estimates[-1] if estimates else 0.5
+            if i >= len(self.prior):
+                p = estimates[-1] if estimates else 0.5
+            elif i > 0 and self.prior[0] > 0:
+                p = min(1.0, self.prior[i] * estimates[0] / self.prior[0])
+            else:
+                p = self.prior[i]
             estimates.append((a + s * p) / (r + s))
         return estimates
+
+    def optimistic_alphas(self) -> list[float]:
+        """The estimates with the first one taken over the longer record (`long_decay`) and
+        raised by `confidence` standard errors: what the evidence cannot yet rule out."""
+        s, alphas = self.settings.prior_strength, self.alphas
+        prior = self.prior[0] if self.prior else 0.5
+        rounds = self.long_record[1] + s
+        first = (self.long_record[0] + s * prior) / rounds
+        first += self.settings.confidence * (first * (1 - first) / rounds) ** 0.5
+        return [min(1.0, first), *alphas[1:]]
 
     def current_cost(self) -> CostModel:
         """The cost model at this machine's current speed, and at this sequence's context:
@@ -160,9 +185,10 @@ class AdaptiveGamma:
         at_least.append(0.0)
         return [at_least[length] - at_least[length + 1] for length in range(k + 1)]
 
-    def predicted_speedup(self, k: int) -> float:
+    def predicted_speedup(self, k: int, alphas: Sequence[float] | None = None) -> float:
         """E(k) · T(1) / (D(k) + E[T(verified)]), the verify size following the proposal
-        length (a missing draft already counts as rejected in E(k))."""
+        length (a missing draft already counts as rejected in E(k)); E(k) under the
+        current estimates unless `alphas` are given."""
         cost = self.current_cost()
         lengths = self.proposal_lengths(k)
         verify = sum(
@@ -170,13 +196,16 @@ class AdaptiveGamma:
             for length, p in enumerate(lengths)
         )
         round_s = (cost.draft_s(k) if k else 0.0) + verify
-        return expected_tokens(self.alphas, k) * cost.target_s(1) / round_s
+        alphas = self.alphas if alphas is None else alphas
+        return expected_tokens(alphas, k) * cost.target_s(1) / round_s
 
     def next_gamma(self, limit: int) -> int:
         top = max(0, min(self.max_gamma, limit))
         best = max(range(top + 1), key=lambda k: (self.predicted_speedup(k), -k))
         if best > 0 and self.predicted_speedup(best) >= self.settings.margin:
             return best
+        if top >= 1 and self.predicted_speedup(1, self.optimistic_alphas()) >= self.settings.margin:
+            return 1  # the sequence's record cannot yet rule out that one draft pays
         if top >= 1 and self.plain_rounds >= self.probe_every:
             return 1  # a probe: is the text predictable again?
         return 0
@@ -210,6 +239,10 @@ class AdaptiveGamma:
         for i in range(min(tried, record.accepted + 1)):
             self.reached[i] += 1
             self.accepted[i] += i < record.accepted
+        if tried:
+            keep = self.settings.long_decay
+            accepted, reached = self.long_record
+            self.long_record = [keep * accepted + (record.accepted > 0), keep * reached + 1]
 
     def _update_speeds(self, record: RoundRecord) -> None:
         keep = self.settings.cost_decay
