@@ -332,14 +332,9 @@ class DraftModelDrafter:
         logits [B, V] at the last position fed: each token [B] with its q [B, V] (None when
         greedy)."""
         if self.history is None:  # the LM head and the parallel heads read one hidden state
-            step = []
-            for row in [logits, *self._head_logits()][:budget]:  # each [B, V]
-                q = None if sampling.greedy else logits_to_probs(row, sampling)  # [B, V]
-                token = greedy_tokens(row) if q is None else choose(q, sampling, generator)
-                step.append((token, q))
-            return step
-        q = None if sampling.greedy else logits_to_probs(logits, sampling)
-        first = greedy_tokens(logits) if q is None else choose(q, sampling, generator)
+            rows = [logits, *self._head_logits()][:budget]  # each [B, V]
+            return [_draw(row, sampling, generator) for row in rows]
+        first, q = _draw(logits, sampling, generator)
         step = [(first, q)]
         depths = min(budget - 1, len(self.history.heads.depths))
         if depths > 0:  # the chain after `first`, one depth per token
@@ -379,6 +374,16 @@ class DraftModelDrafter:
     def kv_bytes_per_token(self) -> int:
         own = kv_bytes_per_token(self.runner.model)
         return own if self.history is None else own + self.history.bytes_per_position()
+
+
+def _draw(
+    logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A token [B] from logits [B, V]: the argmax when greedy, else sampled from q [B, V]."""
+    if sampling.greedy:
+        return greedy_tokens(logits), None
+    q = logits_to_probs(logits, sampling)
+    return choose(q, sampling, generator), q
 
 
 class MTPDrafter:

@@ -74,6 +74,15 @@ def sequential_dir(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) 
     return _save_heads(tiny_target, tmp_path_factory.mktemp("draft-seq"), kind="sequential")
 
 
+def _build(tiny_target: Path, heads: Path) -> DraftModelDrafter:
+    """The tiny model drafting for itself with the heads in `heads`, reset."""
+    drafter, _ = build_drafter(f"{tiny_target}#heads={heads}", load_model(str(tiny_target)))
+    assert isinstance(drafter, DraftModelDrafter) and drafter.multi_token
+    assert drafter.name == f"{tiny_target}#heads={heads}"
+    drafter.reset()
+    return drafter
+
+
 def _count_forwards(drafter: DraftModelDrafter) -> list[int]:
     """A one-element list that counts the draft model's forwards from now on."""
     forwards = [0]
@@ -109,12 +118,8 @@ def _reference_rows(drafter: DraftModelDrafter, context: list[int], k: int) -> t
 def test_each_forward_drafts_the_next_token_and_the_heads_tokens(
     tiny_target: Path, heads_dir: Path
 ) -> None:
-    target = load_model(str(tiny_target))
-    drafter, _ = build_drafter(f"{tiny_target}#heads={heads_dir}", target)
-    assert isinstance(drafter, DraftModelDrafter) and drafter.multi_token
-    assert drafter.name == f"{tiny_target}#heads={heads_dir}"
+    drafter = _build(tiny_target, heads_dir)
     forwards = _count_forwards(drafter)
-    drafter.reset()
     context = _prompt(1)
     greedy = SamplingConfig()
     proposal = drafter.propose(torch.tensor([context]), 5, greedy, None)
@@ -179,12 +184,9 @@ def _sequential_reference(drafter: DraftModelDrafter, context: list[int], k: int
 def test_sequential_depths_draft_over_the_history_across_rounds(
     tiny_target: Path, sequential_dir: Path
 ) -> None:
-    target = load_model(str(tiny_target))
-    drafter, _ = build_drafter(f"{tiny_target}#heads={sequential_dir}", target)
-    assert isinstance(drafter, DraftModelDrafter) and drafter.multi_token
+    drafter = _build(tiny_target, sequential_dir)
     assert drafter.history is not None
     forwards = _count_forwards(drafter)
-    drafter.reset()
     context, greedy = _prompt(2), SamplingConfig()
     chance = torch.Generator().manual_seed(0)
     for _ in range(6):  # rounds of random acceptance; the caches keep only committed tokens
@@ -210,10 +212,7 @@ def test_sequential_depths_draft_over_the_history_across_rounds(
 def test_sequential_depth_drafts_are_fixed_choices_when_sampling(
     tiny_target: Path, sequential_dir: Path
 ) -> None:
-    target = load_model(str(tiny_target))
-    drafter, _ = build_drafter(f"{tiny_target}#heads={sequential_dir}", target)
-    assert isinstance(drafter, DraftModelDrafter)
-    drafter.reset()
+    drafter = _build(tiny_target, sequential_dir)
     context, sampled = _prompt(3), SamplingConfig(temperature=1.0)
     proposal = drafter.propose(torch.tensor([context]), 3, sampled, torch.Generator())
     assert proposal.probs is not None and proposal.probs.shape[:2] == (1, 3)
