@@ -20,6 +20,12 @@ The target's LM head and input embedding are shared as frozen, non-persistent bu
 never trained, never saved, rebound from the target at load. With `draft_vocab` the
 output projection covers only those token ids; `to_full_logits` scatters such logits
 into the full vocabulary with -inf elsewhere, so q stays a distribution over all ids.
+
+Which trunk. `base_model` (architecture, depth, sizes) cannot tell two checkpoints of one
+architecture apart, so the heads' directory also keeps a sample of the trunk's weights they
+were trained on (`TRUNK_FILE`), and loading refuses a trunk whose weights differ from it
+by more than dtype rounding: heads learn one checkpoint's hidden states, and on another
+they would draft, losslessly still, but at a fraction of their acceptance.
 """
 
 from __future__ import annotations
@@ -47,6 +53,12 @@ HEADS_WEIGHTS = "heads.safetensors"
 HEADS_CONFIG = "heads.json"
 _KINDS = ("parallel", "sequential")
 _NORM_EPS = 1e-6
+TRUNK_FILE = "trunk.safetensors"  # one tensor, "sample": see trunk_sample
+_TRUNK_VALUES = 16  # evenly spaced values per trunk tensor
+# The same weights in float32, bfloat16 or float16 differ by at most half a bfloat16 ulp
+# (2^-8 relative; float16's double rounding and subnormals stay within the absolute term).
+_TRUNK_RELATIVE = 2.0**-7
+_TRUNK_ABSOLUTE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -370,11 +382,26 @@ def build_heads(config: HeadsConfig, target_model: PreTrainedModel) -> Heads:
     return heads.to(device=lm_head.device, dtype=lm_head.dtype)
 
 
+def trunk_sample(model: PreTrainedModel) -> torch.Tensor:
+    """Evenly spaced values of every weight of `model`, in float32 [N]."""
+    values = []
+    for param in model.parameters():
+        flat = param.detach().flatten()
+        step = max(1, flat.numel() // _TRUNK_VALUES)
+        values.append(flat[::step][:_TRUNK_VALUES].to("cpu", torch.float32))
+    return torch.cat(values)
+
+
 def save_heads(
-    module: Heads, config: HeadsConfig, directory: str | Path, *, dtype: torch.dtype | None = None
+    module: Heads,
+    config: HeadsConfig,
+    directory: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    trunk: PreTrainedModel | None = None,
 ) -> None:
-    """Write heads.safetensors (trainable parameters only, in `dtype` if given) and
-    heads.json, each atomically."""
+    """Write heads.safetensors (trainable parameters only, in `dtype` if given), heads.json
+    and, given the `trunk` they were trained on, its weights' sample, each atomically."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {
@@ -382,6 +409,9 @@ def save_heads(
     }
     _write_atomically(directory / HEADS_WEIGHTS, lambda path: save_file(tensors, str(path)))
     _write_atomically(directory / HEADS_CONFIG, lambda path: path.write_text(config.to_json()))
+    if trunk is not None:
+        sample = {"sample": trunk_sample(trunk)}
+        _write_atomically(directory / TRUNK_FILE, lambda path: save_file(sample, str(path)))
 
 
 def load_heads(
@@ -392,7 +422,9 @@ def load_heads(
     try:
         config = HeadsConfig.from_json((directory / HEADS_CONFIG).read_text())
         tensors = load_file(str(directory / HEADS_WEIGHTS))
-    except (OSError, UnicodeDecodeError, SafetensorError) as exc:
+        trunk = directory / TRUNK_FILE
+        sample = load_file(str(trunk))["sample"] if trunk.exists() else None
+    except (OSError, UnicodeDecodeError, SafetensorError, KeyError) as exc:
         raise SpecMTPError(f"cannot read heads from {directory}: {_first_line(exc)}") from exc
     expected = describe_target(target_model)
     hidden = target_model.config.get_text_config().hidden_size
@@ -406,6 +438,8 @@ def load_heads(
             raise SpecMTPError(
                 f"heads in {directory} were trained for {what} {theirs!r}, the target has {ours!r}"
             )
+    if sample is not None:  # heads saved before it was recorded have none
+        _check_trunk(sample, target_model, directory)
     heads = build_heads(config, target_model)
     try:
         heads.load_state_dict(tensors, strict=True)
@@ -414,6 +448,20 @@ def load_heads(
             f"heads in {directory} do not match their config: {_first_line(exc)}"
         ) from exc
     return heads, config
+
+
+def _check_trunk(sample: torch.Tensor, model: PreTrainedModel, directory: Path) -> None:
+    ours = trunk_sample(model)
+    if ours.shape != sample.shape:
+        far = torch.ones_like(sample, dtype=torch.bool)
+    else:
+        far = (ours - sample).abs() > _TRUNK_RELATIVE * sample.abs() + _TRUNK_ABSOLUTE
+    if far.any():
+        raise SpecMTPError(
+            f"heads in {directory} were trained on other weights of this architecture "
+            f"({int(far.sum())} of {far.numel()} sampled weights differ): "
+            "train heads for this checkpoint"
+        )
 
 
 def _lm_head_weight(model: PreTrainedModel) -> torch.Tensor:

@@ -164,7 +164,7 @@ def train_mtp(config: TrainConfig) -> TrainReport:
     rank_probs = rank_probabilities(plain, cache, config)
     heldout = [row[0] for row in rank_probs]
     # float16, as distill saves drafts: half the size, and loading casts to the target's dtype.
-    save_heads(plain, heads_config, config.out, dtype=torch.float16)
+    save_heads(plain, heads_config, config.out, dtype=torch.float16, trunk=target.model)
     best_tree(rank_probs, TREE_BUDGET).save(config.out / TREE_FILE)
     seconds = time.perf_counter() - start_time
     report = TrainReport(step, heldout, rank_probs, int(cache.manifest["num_tokens"]), seconds)

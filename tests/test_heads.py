@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -9,12 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY_VOCAB, tiny_model
+from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
 from specmtp.errors import SpecMTPError
 from specmtp.heads import (
     HEADS_CONFIG,
     HEADS_WEIGHTS,
+    TRUNK_FILE,
     Heads,
     HeadsConfig,
     ParallelHeads,
@@ -165,6 +168,31 @@ def test_load_refuses_a_different_target(target: PreTrainedModel, tmp_path: Path
     for what, other in others.items():
         with pytest.raises(SpecMTPError, match=what):
             load_heads(tmp_path, target_model=other)
+
+
+def test_load_refuses_another_checkpoint_of_the_architecture_but_not_another_dtype(
+    target: PreTrainedModel, tmp_path: Path
+) -> None:
+    config = config_for(target, "sequential")
+    save_heads(build_heads(config, target), config, tmp_path, dtype=torch.float16, trunk=target)
+    assert load_file(str(tmp_path / TRUNK_FILE))["sample"].numel() == 16 * len(
+        list(target.parameters())
+    )
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # the same weights, rounded
+        load_heads(tmp_path, target_model=copy.deepcopy(target).to(dtype))
+    fine_tuned = copy.deepcopy(target)  # one layer moved by 1%, as a short fine-tune moves it
+    with torch.no_grad():
+        weight = fine_tuned.model.layers[1].mlp.down_proj.weight
+        weight.mul_(1 + 0.01 * torch.randn_like(weight))
+    for other in (fine_tuned, tiny_model("llama", seed=1)):  # a fine-tune, another training
+        assert describe_target(other) == config.base_model  # base_model alone passes them
+        with pytest.raises(SpecMTPError, match="trained on other weights of this architecture"):
+            load_heads(tmp_path, target_model=other)
+    (tmp_path / TRUNK_FILE).write_bytes(b"\0" * 64)
+    with pytest.raises(SpecMTPError, match="cannot read heads"):
+        load_heads(tmp_path, target_model=target)
+    (tmp_path / TRUNK_FILE).unlink()  # heads saved before the sample was recorded still load
+    load_heads(tmp_path, target_model=fine_tuned)
 
 
 def test_load_refuses_corrupt_or_missing_files(target: PreTrainedModel, tmp_path: Path) -> None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 from conftest import SHIPPED_NEW_TOKENS, SHIPPED_PROMPT, tiny_model
 
 from specmtp.api import SpecGenerator, build_drafter
 from specmtp.config import GenerationConfig
 from specmtp.drafters import MTPDrafter
 from specmtp.errors import SpecMTPError
+from specmtp.heads import TRUNK_FILE, load_heads, shipped_heads_dir
 from specmtp.models import LoadedModel, load_model
 
 
@@ -44,3 +48,16 @@ def test_mtp_heads_refuse_another_target() -> None:
     target = LoadedModel(model=tiny, tokenizer=tokenizer, spec="tiny", context_length=256)
     with pytest.raises(SpecMTPError):
         SpecGenerator(target, draft="mtp")
+
+
+def test_shipped_heads_know_their_checkpoint(default_model: LoadedModel) -> None:
+    """The shipped heads record the default model's weights: another checkpoint of the same
+    architecture (here one layer changed by 1%) is refused, not drafted for badly."""
+    assert (shipped_heads_dir() / TRUNK_FILE).exists()
+    load_heads(shipped_heads_dir(), target_model=default_model.model)
+    other = copy.deepcopy(default_model.model)
+    with torch.no_grad():
+        weight = other.model.layers[-1].mlp.down_proj.weight
+        weight.mul_(1 + 0.01 * torch.randn_like(weight))
+    with pytest.raises(SpecMTPError, match="trained on other weights"):
+        load_heads(shipped_heads_dir(), target_model=other)
