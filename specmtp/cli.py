@@ -482,6 +482,8 @@ def cmd_train_mtp(args: argparse.Namespace) -> int:
     names = {f.name for f in dataclasses.fields(TrainConfig)} - {"sources", "data"}
     config = TrainConfig(sources=tuple(args.data), **{name: getattr(args, name) for name in names})
     report = train_mtp(config)
+    if report is None:  # another process of a data-parallel run: the main one reports
+        return 0
     print(f"heads written to {config.out}; held-out top-1 per head: {report.heldout_accuracy}")
     print(json.dumps(dataclasses.asdict(report)))
     return 0
@@ -493,6 +495,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
         sources=tuple(args.data), **{name: getattr(args, name) for name in names}
     )
     report = train_draft(config)
+    if report is None:  # another process of a data-parallel run: the main one reports
+        return 0
     if config.data_only:
         print(f"data cache {config.data_dir}: {report.tokens} tokens")
     else:

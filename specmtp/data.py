@@ -34,7 +34,7 @@ import json
 import os
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,10 @@ class DistillBatch:
     hidden: torch.Tensor | None = None  # [B, T, H] float16
     topk_values: torch.Tensor | None = None  # [B, T, k] float16 log-probabilities
     topk_indices: torch.Tensor | None = None  # [B, T, k] int64
+
+    def to(self, device: torch.device | str) -> DistillBatch:
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)}
+        return DistillBatch(**{k: None if t is None else t.to(device) for k, t in tensors.items()})
 
 
 def load_train_prompts(

@@ -12,8 +12,9 @@ With `mtp_heads` > 0 the draft also trains parallel MTP heads on its own final h
 state (Σ λ_i CE_i on the tokens 2+i ahead, `mtp_loss.mtp_losses`), jointly with its
 next-token objective: continued MTP training when `init_from` names a trained draft.
 
-Same machinery as `train-mtp`: accelerate, a progress bar with loss and accuracy,
-metrics.jsonl, atomic checkpoints that a rerun of the same command resumes.
+Same machinery as `train-mtp`: accelerate, data-parallel over several processes under
+`torchrun` or `accelerate launch` (`specmtp.parallel`), a progress bar with loss and
+accuracy, metrics.jsonl, atomic checkpoints that a rerun of the same command resumes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from specmtp.cache import CachedModel
@@ -56,6 +56,7 @@ from specmtp.draft_model import (
 from specmtp.errors import SpecMTPError
 from specmtp.models import DTYPES, LoadedModel, load_model
 from specmtp.mtp_loss import decaying_weights, mtp_losses, topk_kl
+from specmtp.parallel import DataParallel, make_accelerator
 from specmtp.text_data import TextChunks, iter_text_batches, load_texts, tokenize_chunks
 from specmtp.train import (
     MetricsLog,
@@ -150,56 +151,75 @@ class _Data:
     key: str  # identifies the data for checkpoints
 
 
-def train_draft(config: DistillTrainConfig) -> DistillReport:
+def train_draft(config: DistillTrainConfig) -> DistillReport | None:
+    """Train the draft; its report, or None in a process other than the main one of a
+    data-parallel run (`specmtp.parallel`)."""
     start_time = time.perf_counter()
     config.out.mkdir(parents=True, exist_ok=True)
+    accelerator = make_accelerator()
+    parallel = DataParallel(accelerator)
     target = load_model(config.target, dtype=DTYPES[config.dtype])
-    data = _prepare_data(config, target)
+    with parallel.main_first():
+        data = _prepare_data(config, target)
     if config.data_only:
-        return DistillReport(0, {}, data.tokens, 0, 0.0, time.perf_counter() - start_time)
+        seconds = time.perf_counter() - start_time
+        return DistillReport(0, {}, data.tokens, 0, 0.0, seconds) if parallel.is_main else None
     draft = _build_draft(config, target, data).float()  # float32 master weights
+    draft.to(accelerator.device)
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
-    accelerator = Accelerator()
-    draft, optimizer = accelerator.prepare(draft, optimizer)
-    plain: DraftLM = accelerator.unwrap_model(draft)
-    identity = _run_identity(config, target, plain, data)
+    identity = _run_identity(config, target, draft, data, processes=parallel.processes)
     checkpoints = config.out / "checkpoints"
-    step = load_latest_checkpoint(checkpoints, module=plain, optimizer=optimizer, identity=identity)
-    metrics = MetricsLog(config.out / "metrics.jsonl", resume_after=step)
-    batches = endless_batches(lambda seed: data.batches("train", seed), seed=config.seed, skip=step)
+    step = load_latest_checkpoint(checkpoints, module=draft, optimizer=optimizer, identity=identity)
+    metrics = MetricsLog(config.out / "metrics.jsonl", resume_after=step, write=parallel.is_main)
+    batches = parallel.share(
+        endless_batches(
+            lambda seed: data.batches("train", seed),
+            seed=config.seed,
+            skip=step * parallel.processes,
+        )
+    )
     weights = decaying_weights(config.mtp_heads, config.mtp_decay) if config.mtp_heads else []
-    bar = tqdm(total=config.steps, initial=step, desc="distill", disable=None)
-    plain.train()
+    quiet = None if parallel.is_main else True  # None: tqdm's own choice (a terminal or not)
+    bar = tqdm(total=config.steps, initial=step, desc="distill", disable=quiet)
+    draft.train()
     while step < config.steps:
         set_lr(optimizer, config, step)
+        batch = next(batches).to(accelerator.device)
         with bf16_autocast(accelerator, config.mixed_precision):
-            losses = draft_losses(plain, next(batches), config.objective, weights)
+            losses = draft_losses(draft, batch, config.objective, weights)
         optimizer.zero_grad()
         accelerator.backward(losses["loss"])
-        accelerator.clip_grad_norm_(trainable, 1.0)
+        parallel.average_gradients(trainable)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         step += 1
-        record = {k: round(float(v.detach()), 4) for k, v in losses.items()}
+        values = parallel.mean([float(v.detach()) for v in losses.values()])
+        record = {k: round(v, 4) for k, v in zip(losses, values, strict=True)}
         bar.update(1)
         bar.set_postfix(loss=record["loss"], acc=record["accuracy"])
         metrics.write(step=step, **record)
-        if step % config.checkpoint_every == 0 or step == config.steps:
+        if parallel.is_main and (step % config.checkpoint_every == 0 or step == config.steps):
             save_checkpoint(
-                checkpoints, step=step, module=plain, optimizer=optimizer, identity=identity
+                checkpoints, step=step, module=draft, optimizer=optimizer, identity=identity
             )
-        if step % config.eval_every == 0 or step == config.steps:
-            metrics.write(step=step, split="heldout", **evaluate(plain, data, config, weights))
+        if parallel.is_main and (step % config.eval_every == 0 or step == config.steps):
+            metrics.write(step=step, split="heldout", **evaluate(draft, data, config, weights))
     bar.close()
-    plain.eval()
-    save_draft(plain, config.out / "draft", dtype=torch.float16)
+    parallel.check_in_step(trainable)
+    draft.eval()
+    if not parallel.is_main:
+        accelerator.wait_for_everyone()
+        return None
+    save_draft(draft, config.out / "draft", dtype=torch.float16)
     saved = load_draft(config.out / "draft", target=target.model)  # as it will draft
     report = DistillReport(
-        step, evaluate(plain, data, config, weights), data.tokens,
+        step, evaluate(draft, data, config, weights), data.tokens,
         sum(p.numel() for p in trainable), step_cost_ratio(saved, target),
         time.perf_counter() - start_time,
     )  # fmt: skip
     (config.out / "report.json").write_text(json.dumps(asdict(report), indent=1))
+    accelerator.wait_for_everyone()
     return report
 
 
@@ -344,7 +364,9 @@ def evaluate(
     draft.eval()
     sums: Counter[str] = Counter()
     batches = 0
+    device = next(draft.parameters()).device
     for batch in data.batches("heldout", None):
+        batch = batch.to(device)
         for name, value in draft_losses(draft, batch, config.objective, weights).items():
             sums[name] += float(value)
         batches += 1
@@ -353,14 +375,23 @@ def evaluate(
 
 
 def _run_identity(
-    config: DistillTrainConfig, target: LoadedModel, draft: DraftLM, data: _Data
+    config: DistillTrainConfig,
+    target: LoadedModel,
+    draft: DraftLM,
+    data: _Data,
+    *,
+    processes: int = 1,
 ) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed: model, data, draft, optimisation."""
+    """What a checkpoint must match to be resumed: model, data, draft, optimisation, and
+    the number of processes (each step's batches and their order depend on it)."""
     skip = ("out", "sources", "steps", "cache", "eval_every", "checkpoint_every")
     settings = {k: v for k, v in asdict(config).items() if k not in skip}
-    return {
+    identity = {
         "model": model_fingerprint(target),
         "data": data.key,
         "draft": json.loads(draft.draft_config.to_json()),
         "settings": json.loads(json.dumps(settings, default=str)),
     }
+    if processes > 1:  # one process: as before there was a choice, so old runs resume
+        identity["processes"] = processes
+    return identity

@@ -3,8 +3,9 @@
 The target answers training prompts (greedily, cached with its final hidden states by
 `specmtp.data`); heads learn to predict the answer tokens 2, 3, ... positions ahead from
 those hidden states, with loss Σ_i λ_i CE_i. The trunk never changes, so the target's own
-outputs stay exactly the same. Runs under `accelerate` (CPU, one GPU, or `accelerate
-launch`); checkpoints are atomic and a rerun of the same command resumes.
+outputs stay exactly the same. Runs under `accelerate` (CPU, one GPU), and data-parallel
+over several processes under `torchrun` or `accelerate launch` (`specmtp.parallel`);
+checkpoints are atomic and a rerun of the same command resumes.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from specmtp.errors import SpecMTPError
 from specmtp.heads import Heads, HeadsConfig, build_heads, describe_target, save_heads
 from specmtp.models import DTYPES, LoadedModel, load_model
 from specmtp.mtp_loss import RANKS, decaying_weights, mtp_losses
+from specmtp.parallel import DataParallel, make_accelerator
 from specmtp.tree import TREE_FILE, best_tree
 
 WARMUP_STEPS = 50
@@ -111,64 +113,80 @@ class TrainReport:
     seconds: float
 
 
-def train_mtp(config: TrainConfig) -> TrainReport:
+def train_mtp(config: TrainConfig) -> TrainReport | None:
+    """Train the heads; their report, or None in a process other than the main one of a
+    data-parallel run (`specmtp.parallel`)."""
     start_time = time.perf_counter()
     config.out.mkdir(parents=True, exist_ok=True)
+    accelerator = make_accelerator()
+    parallel = DataParallel(accelerator)
     target = load_model(config.target, dtype=DTYPES[config.dtype])
-    cache = _data_cache(config, target)
+    with parallel.main_first():
+        cache = _data_cache(config, target)
     heads_config = make_heads_config(config, target, cache)
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.seed)  # the same start in every process
     heads = build_heads(heads_config, target.model).float()  # float32 master weights
+    heads.to(accelerator.device)
     trainable = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
-    accelerator = Accelerator()
-    heads, optimizer = accelerator.prepare(heads, optimizer)
-    plain = accelerator.unwrap_model(heads)
-    identity = run_identity(config, target, cache, heads_config)
+    identity = run_identity(config, target, cache, heads_config, processes=parallel.processes)
     checkpoints = config.out / "checkpoints"
-    step = load_latest_checkpoint(checkpoints, module=plain, optimizer=optimizer, identity=identity)
-    metrics = MetricsLog(config.out / "metrics.jsonl", resume_after=step)
-    batches = endless_batches(
-        lambda seed: iter_batches(
-            cache, batch_size=config.batch_size, seq_len=config.seq_len, seed=seed,
-            heldout_fraction=config.heldout_fraction,
-        ),
-        seed=config.seed, skip=step,
+    step = load_latest_checkpoint(checkpoints, module=heads, optimizer=optimizer, identity=identity)
+    metrics = MetricsLog(config.out / "metrics.jsonl", resume_after=step, write=parallel.is_main)
+    batches = parallel.share(
+        endless_batches(
+            lambda seed: iter_batches(
+                cache, batch_size=config.batch_size, seq_len=config.seq_len, seed=seed,
+                heldout_fraction=config.heldout_fraction,
+            ),
+            seed=config.seed, skip=step * parallel.processes,
+        )
     )  # fmt: skip
     weights = decaying_weights(config.num_heads, config.decay)
-    bar = tqdm(total=config.steps, initial=step, desc="train-mtp", disable=None)
+    quiet = None if parallel.is_main else True  # None: tqdm's own choice (a terminal or not)
+    bar = tqdm(total=config.steps, initial=step, desc="train-mtp", disable=quiet)
     while step < config.steps:
-        batch = next(batches)
+        batch = next(batches).to(accelerator.device)
         set_lr(optimizer, config, step)
         with bf16_autocast(accelerator, config.mixed_precision):
             losses = mtp_losses(
-                plain, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights,
+                heads, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights,
                 target_topk=target_topk(batch, config),
             )  # fmt: skip
         optimizer.zero_grad()
         accelerator.backward(losses.loss)
-        accelerator.clip_grad_norm_(trainable, 1.0)
+        parallel.average_gradients(trainable)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         step += 1
-        accs = [round(a, 3) for a in losses.per_head_accuracy]
+        n = config.num_heads
+        loss, *rest = parallel.mean(
+            [losses.loss.item(), *losses.per_head_ce, *losses.per_head_accuracy]
+        )
+        accs = [round(a, 3) for a in rest[n:]]
         bar.update(1)
-        bar.set_postfix(loss=f"{losses.loss.item():.3f}", acc=accs)
-        metrics.write(step=step, loss=losses.loss.item(), ce=losses.per_head_ce, acc=accs)
-        if step % config.checkpoint_every == 0 or step == config.steps:
+        bar.set_postfix(loss=f"{loss:.3f}", acc=accs)
+        metrics.write(step=step, loss=loss, ce=rest[:n], acc=accs)
+        if parallel.is_main and (step % config.checkpoint_every == 0 or step == config.steps):
             save_checkpoint(
-                checkpoints, step=step, module=plain, optimizer=optimizer, identity=identity
+                checkpoints, step=step, module=heads, optimizer=optimizer, identity=identity
             )
-        if step % config.eval_every == 0 or step == config.steps:
-            metrics.write(step=step, split="heldout", acc=evaluate(plain, cache, config))
+        if parallel.is_main and (step % config.eval_every == 0 or step == config.steps):
+            metrics.write(step=step, split="heldout", acc=evaluate(heads, cache, config))
     bar.close()
-    rank_probs = rank_probabilities(plain, cache, config)
+    parallel.check_in_step(trainable)
+    if not parallel.is_main:
+        accelerator.wait_for_everyone()
+        return None
+    rank_probs = rank_probabilities(heads, cache, config)
     heldout = [row[0] for row in rank_probs]
     # float16, as distill saves drafts: half the size, and loading casts to the target's dtype.
-    save_heads(plain, heads_config, config.out, dtype=torch.float16, trunk=target.model)
+    save_heads(heads, heads_config, config.out, dtype=torch.float16, trunk=target.model)
     best_tree(rank_probs, TREE_BUDGET).save(config.out / TREE_FILE)
     seconds = time.perf_counter() - start_time
     report = TrainReport(step, heldout, rank_probs, int(cache.manifest["num_tokens"]), seconds)
     (config.out / "report.json").write_text(json.dumps(asdict(report), indent=1))
+    accelerator.wait_for_everyone()
     return report
 
 
@@ -241,9 +259,15 @@ def answer_token_counts(cache: DistillCache, heldout_fraction: float) -> Counter
 
 
 def run_identity(
-    config: TrainConfig, target: LoadedModel, cache: DistillCache, heads: HeadsConfig
+    config: TrainConfig,
+    target: LoadedModel,
+    cache: DistillCache,
+    heads: HeadsConfig,
+    *,
+    processes: int = 1,
 ) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed: model, data, heads, optimisation."""
+    """What a checkpoint must match to be resumed: model, data, heads, optimisation, and
+    the number of processes (each step's batches and their order depend on it)."""
     settings = {
         k: v
         for k, v in asdict(config).items()
@@ -251,12 +275,15 @@ def run_identity(
     }
     if config.objective == "tokens":  # the only one before there was a choice: old runs resume
         del settings["objective"]
-    return {
+    identity = {
         "model": model_fingerprint(target),
         "data": cache.manifest["key"],
         "heads": json.loads(heads.to_json()),
         "settings": json.loads(json.dumps(settings, default=str)),
     }
+    if processes > 1:  # one process: as before there was a choice, so old runs resume
+        identity["processes"] = processes
+    return identity
 
 
 def target_topk(
@@ -302,10 +329,12 @@ def rank_probabilities(heads: Heads, cache: DistillCache, config: TrainConfig) -
     ranks = torch.zeros(config.num_heads, RANKS)
     counts = torch.zeros(config.num_heads)
     weights = decaying_weights(config.num_heads, config.decay)
+    device = next(heads.parameters()).device
     for batch in iter_batches(
         cache, batch_size=config.batch_size, seq_len=config.seq_len, seed=None,
         split="heldout", heldout_fraction=config.heldout_fraction,
     ):  # fmt: skip
+        batch = batch.to(device)
         result = mtp_losses(heads, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights)
         for i, (hist, n) in enumerate(
             zip(result.per_head_rank_counts, result.per_head_count, strict=True)
@@ -324,8 +353,10 @@ class MetricsLog:
     """metrics.jsonl, one object per line. On resume the lines past the checkpoint are
     dropped, since those steps run again."""
 
-    def __init__(self, path: Path, *, resume_after: int) -> None:
-        self.path = path
+    def __init__(self, path: Path, *, resume_after: int, write: bool = True) -> None:
+        self.path, self.enabled = path, write  # several processes: the main one writes
+        if not write:
+            return
         kept = []
         if path.exists():
             kept = [
@@ -335,5 +366,7 @@ class MetricsLog:
         path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, **record: Any) -> None:
+        if not self.enabled:
+            return
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
