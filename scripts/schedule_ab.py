@@ -19,6 +19,7 @@ import io
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from schedule_replay import BeforeRules
@@ -84,6 +85,11 @@ def main(argv: list[str]) -> int:
         code = cli.main(["bench", *argv])
     text = out.getvalue()
     print(text, end="")
+    if "--out" in argv:  # the report names its command "specmtp ARGS": it was this script
+        report = Path(argv[argv.index("--out") + 1]) / "report.md"
+        args = " ".join(argv)
+        fixed = report.read_text().replace(f"specmtp {args}", f"python scripts/schedule_ab.py {args}", 1)
+        report.write_text(fixed)
     if code == 0:
         summarise(json.loads(text.strip().splitlines()[-1]))
     return code
