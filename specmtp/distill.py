@@ -211,7 +211,7 @@ def train_draft(config: DistillTrainConfig) -> DistillReport | None:
     if not parallel.is_main:
         accelerator.wait_for_everyone()
         return None
-    save_draft(draft, config.out / "draft", dtype=torch.float16)
+    save_draft(draft, config.out / "draft", dtype=torch.float16, target=target.model)
     saved = load_draft(config.out / "draft", target=target.model)  # as it will draft
     report = DistillReport(
         step, evaluate(draft, data, config, weights), data.tokens,

@@ -41,7 +41,9 @@ from specmtp.heads import (
     ParallelHeads,
     VocabProjection,
     _write_atomically,
+    check_trunk,
     describe_target,
+    write_trunk,
 )
 
 DRAFT_WEIGHTS = "draft.safetensors"
@@ -258,14 +260,23 @@ def trainable_state(draft: DraftLM) -> dict[str, torch.Tensor]:
     return {name: p.detach().contiguous() for name, p in draft.named_parameters()}
 
 
-def save_draft(draft: DraftLM, directory: str | Path, *, dtype: torch.dtype | None = None) -> None:
-    """Write draft.safetensors and draft.json atomically (weights in `dtype` if given)."""
+def save_draft(
+    draft: DraftLM,
+    directory: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    target: PreTrainedModel | None = None,
+) -> None:
+    """Write draft.safetensors and draft.json atomically (weights in `dtype` if given) and,
+    given the target it was trained for, a sample of its weights (heads.TRUNK_FILE)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to(dtype or v.dtype) for k, v in trainable_state(draft).items()}
     _write_atomically(directory / DRAFT_WEIGHTS, lambda path: save_file(tensors, str(path)))
     text = draft.draft_config.to_json()
     _write_atomically(directory / DRAFT_CONFIG, lambda path: path.write_text(text))
+    if target is not None:
+        write_trunk(directory, target)
 
 
 def shipped_drafts_dir() -> Path:
@@ -286,6 +297,7 @@ def load_draft(directory: str | Path, *, target: PreTrainedModel) -> DraftLM:
     except (OSError, UnicodeDecodeError, SafetensorError) as exc:
         raise SpecMTPError(f"cannot read a draft from {directory}: {exc}") from exc
     _check_target(config, target, where=f"the draft in {directory}")
+    check_trunk(directory, target, what="draft")
     draft = DraftLM(config, target=target)
     try:
         draft.load_state_dict(tensors, strict=True)

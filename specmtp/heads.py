@@ -410,8 +410,7 @@ def save_heads(
     _write_atomically(directory / HEADS_WEIGHTS, lambda path: save_file(tensors, str(path)))
     _write_atomically(directory / HEADS_CONFIG, lambda path: path.write_text(config.to_json()))
     if trunk is not None:
-        sample = {"sample": trunk_sample(trunk)}
-        _write_atomically(directory / TRUNK_FILE, lambda path: save_file(sample, str(path)))
+        write_trunk(directory, trunk)
 
 
 def load_heads(
@@ -422,9 +421,7 @@ def load_heads(
     try:
         config = HeadsConfig.from_json((directory / HEADS_CONFIG).read_text())
         tensors = load_file(str(directory / HEADS_WEIGHTS))
-        trunk = directory / TRUNK_FILE
-        sample = load_file(str(trunk))["sample"] if trunk.exists() else None
-    except (OSError, UnicodeDecodeError, SafetensorError, KeyError) as exc:
+    except (OSError, UnicodeDecodeError, SafetensorError) as exc:
         raise SpecMTPError(f"cannot read heads from {directory}: {_first_line(exc)}") from exc
     expected = describe_target(target_model)
     hidden = target_model.config.get_text_config().hidden_size
@@ -438,8 +435,7 @@ def load_heads(
             raise SpecMTPError(
                 f"heads in {directory} were trained for {what} {theirs!r}, the target has {ours!r}"
             )
-    if sample is not None:  # heads saved before it was recorded have none
-        _check_trunk(sample, target_model, directory)
+    check_trunk(directory, target_model, what="heads")
     heads = build_heads(config, target_model)
     try:
         heads.load_state_dict(tensors, strict=True)
@@ -450,7 +446,22 @@ def load_heads(
     return heads, config
 
 
-def _check_trunk(sample: torch.Tensor, model: PreTrainedModel, directory: Path) -> None:
+def write_trunk(directory: Path, model: PreTrainedModel) -> None:
+    """Record, beside heads or a draft in `directory`, the weights they were trained on."""
+    sample = {"sample": trunk_sample(model)}
+    _write_atomically(directory / TRUNK_FILE, lambda path: save_file(sample, str(path)))
+
+
+def check_trunk(directory: Path, model: PreTrainedModel, *, what: str) -> None:
+    """Refuse `model` if `directory` records other weights (nothing recorded: accepted, as
+    for heads and drafts saved before it was)."""
+    path = directory / TRUNK_FILE
+    if not path.exists():
+        return
+    try:
+        sample = load_file(str(path))["sample"]
+    except (OSError, SafetensorError, KeyError) as exc:
+        raise SpecMTPError(f"cannot read {what} from {directory}: {_first_line(exc)}") from exc
     ours = trunk_sample(model)
     if ours.shape != sample.shape:
         far = torch.ones_like(sample, dtype=torch.bool)
@@ -458,9 +469,9 @@ def _check_trunk(sample: torch.Tensor, model: PreTrainedModel, directory: Path) 
         far = (ours - sample).abs() > _TRUNK_RELATIVE * sample.abs() + _TRUNK_ABSOLUTE
     if far.any():
         raise SpecMTPError(
-            f"heads in {directory} were trained on other weights of this architecture "
-            f"({int(far.sum())} of {far.numel()} sampled weights differ): "
-            "train heads for this checkpoint"
+            f"the {what} in {directory}: trained on other weights of this architecture "
+            f"({int(far.sum())} of {far.numel()} sampled weights differ); "
+            f"train {what} for this checkpoint"
         )
 
 

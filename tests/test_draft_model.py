@@ -3,6 +3,7 @@ files, and greedy-exact and lossless decoding with it, multi-token drafting incl
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -33,6 +34,7 @@ from specmtp.draft_model import (
 )
 from specmtp.drafters import DraftModelDrafter, Outcome, Proposal
 from specmtp.errors import SpecMTPError
+from specmtp.heads import TRUNK_FILE
 from specmtp.models import LoadedModel, load_model
 from specmtp.sampling import logits_to_probs
 from specmtp.verification import verify_rejection_sampling
@@ -289,6 +291,20 @@ def test_load_refuses_a_draft_made_for_another_target(
             load_draft(tmp_path, target=other)
     with pytest.raises(SpecMTPError, match="was made for"):
         DraftLM(make_draft(target).draft_config, target=wider)
+
+
+def test_load_refuses_a_draft_for_another_checkpoint_but_not_another_dtype(
+    target: PreTrainedModel, tmp_path: Path
+) -> None:
+    """A draft shares its target's embedding and LM head and learned its distributions: on
+    another checkpoint of the same architecture it is refused, as heads are."""
+    save_draft(make_draft(target), tmp_path, dtype=torch.float16, target=target)
+    assert (tmp_path / TRUNK_FILE).exists()
+    for dtype in (torch.float32, torch.bfloat16):
+        load_draft(tmp_path, target=copy.deepcopy(target).to(dtype))
+    other = tiny_model("llama", seed=1)  # same architecture and sizes, other weights
+    with pytest.raises(SpecMTPError, match="trained on other weights of this architecture"):
+        load_draft(tmp_path, target=other)
 
 
 def test_load_refuses_corrupt_or_mismatched_files(target: PreTrainedModel, tmp_path: Path) -> None:

@@ -11,8 +11,9 @@ from safetensors.torch import load_file
 from specmtp.api import SpecGenerator
 from specmtp.config import GenerationConfig
 from specmtp.decode import GenerationResult
-from specmtp.draft_model import SHIPPED_DRAFTS, load_draft, shipped_drafts_dir
+from specmtp.draft_model import DRAFT_CONFIG, SHIPPED_DRAFTS, load_draft, shipped_drafts_dir
 from specmtp.errors import SpecMTPError
+from specmtp.heads import TRUNK_FILE, check_trunk
 from specmtp.models import LoadedModel, load_model
 
 
@@ -26,6 +27,15 @@ def runs(default_model: LoadedModel) -> dict[str, GenerationResult]:
         config = GenerationConfig(max_new_tokens=SHIPPED_NEW_TOKENS, gamma=3)
         found[spec] = generator.decoder.generate(ids, config)
     return found
+
+
+def test_shipped_drafts_record_their_target(default_model: LoadedModel) -> None:
+    """Each shipped draft records the default model's weights, so another checkpoint of the
+    architecture is refused (heads.check_trunk, tested on tiny models)."""
+    folders = {p.parent for p in shipped_drafts_dir().glob(f"*/{DRAFT_CONFIG}")}
+    assert folders and all((folder / TRUNK_FILE).exists() for folder in folders)
+    for folder in folders:
+        check_trunk(folder, default_model.model, what="draft")
 
 
 @pytest.mark.parametrize("spec", list(SHIPPED_DRAFTS))
