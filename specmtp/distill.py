@@ -188,11 +188,7 @@ def train_draft(config: DistillTrainConfig) -> DistillReport | None:
         batch = next(batches).to(accelerator.device)
         with bf16_autocast(accelerator, config.mixed_precision):
             losses = draft_losses(draft, batch, config.objective, weights)
-        optimizer.zero_grad()
-        accelerator.backward(losses["loss"])
-        parallel.average_gradients(trainable)
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
+        parallel.update(losses["loss"], optimizer, trainable)
         step += 1
         values = parallel.mean([float(v.detach()) for v in losses.values()])
         record = {k: round(v, 4) for k, v in zip(losses, values, strict=True)}

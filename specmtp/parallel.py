@@ -70,6 +70,20 @@ class DataParallel:
         rank = self.accelerator.process_index
         return itertools.islice(batches, rank, None, self.processes)
 
+    def update(
+        self,
+        loss: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[torch.nn.Parameter],
+    ) -> None:
+        """One optimiser step: backward, gradients averaged over the processes, their norm
+        clipped to 1."""
+        optimizer.zero_grad()
+        self.accelerator.backward(loss)
+        self.average_gradients(params)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
     def average_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Replace each gradient by its mean over the processes (a missing one counts as
         zero), in one all-reduce of one flat buffer."""

@@ -153,11 +153,7 @@ def train_mtp(config: TrainConfig) -> TrainReport | None:
                 heads, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights,
                 target_topk=target_topk(batch, config),
             )  # fmt: skip
-        optimizer.zero_grad()
-        accelerator.backward(losses.loss)
-        parallel.average_gradients(trainable)
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
+        parallel.update(losses.loss, optimizer, trainable)
         step += 1
         n = config.num_heads
         loss, *rest = parallel.mean(
@@ -178,16 +174,29 @@ def train_mtp(config: TrainConfig) -> TrainReport | None:
     if not parallel.is_main:
         accelerator.wait_for_everyone()
         return None
+    report = _write_results(config, heads, heads_config, target, cache, step=step)
+    report = replace(report, seconds=time.perf_counter() - start_time)
+    (config.out / "report.json").write_text(json.dumps(asdict(report), indent=1))
+    accelerator.wait_for_everyone()
+    return report
+
+
+def _write_results(
+    config: TrainConfig,
+    heads: Heads,
+    heads_config: HeadsConfig,
+    target: LoadedModel,
+    cache: DistillCache,
+    *,
+    step: int,
+) -> TrainReport:
+    """Held-out statistics, the heads and their token tree; the report (seconds unset)."""
     rank_probs = rank_probabilities(heads, cache, config)
     heldout = [row[0] for row in rank_probs]
     # float16, as distill saves drafts: half the size, and loading casts to the target's dtype.
     save_heads(heads, heads_config, config.out, dtype=torch.float16, trunk=target.model)
     best_tree(rank_probs, TREE_BUDGET).save(config.out / TREE_FILE)
-    seconds = time.perf_counter() - start_time
-    report = TrainReport(step, heldout, rank_probs, int(cache.manifest["num_tokens"]), seconds)
-    (config.out / "report.json").write_text(json.dumps(asdict(report), indent=1))
-    accelerator.wait_for_everyone()
-    return report
+    return TrainReport(step, heldout, rank_probs, int(cache.manifest["num_tokens"]), 0.0)
 
 
 def bf16_autocast(accelerator: Accelerator, mixed_precision: str) -> torch.autocast:
