@@ -136,7 +136,8 @@ def describe_target(model: PreTrainedModel) -> str:
     """The `base_model` string heads record: architecture, depth, hidden and vocab size.
 
     It is built from the config only, so it survives dtype changes and cache paths, but it
-    cannot tell apart two checkpoints of the same architecture and size.
+    cannot tell apart two checkpoints of the same architecture and size: `trunk_sample`
+    does that.
     """
     config = model.config.get_text_config()
     return (
