@@ -11,7 +11,7 @@ import torch
 from conftest import TINY_VOCAB, hf_greedy, perturbed_copy, tiny_model
 from transformers import PreTrainedModel
 
-from specmtp import decode
+from specmtp import costmodel, decode
 from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors, tensor_bytes
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.costmodel import CostModel
@@ -476,8 +476,11 @@ DRAFT_S = 3e-4  # fake seconds per draft token: dear enough that γ varies
 def decode_on_fake_clock(
     monkeypatch: pytest.MonkeyPatch, target: PreTrainedModel, drafter: Drafter, clock: FakeTime
 ) -> SpecDecoder:
-    """A decoder whose target forwards each take VERIFY_S on `clock`, whatever their size."""
+    """A decoder whose target forwards each take VERIFY_S on `clock`, whatever their size,
+    also when the decoder measures T(n) (greedy runs measure it in process): real timings
+    of the tiny model, on a busy machine, once kept an always-right drafter at γ <= 2."""
     monkeypatch.setattr(decode, "time", clock)
+    monkeypatch.setattr(costmodel, "time", clock)
     decoder = make_decoder(target, drafter, cost_model=CostModel((VERIFY_S,) * 5))
     forward = decoder.target.forward
 
