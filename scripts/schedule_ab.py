@@ -18,7 +18,6 @@ import contextlib
 import io
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from specmtp.report_values import methods_of
 from specmtp.schedule import AdaptiveGamma, AdaptiveSettings
 from specmtp.schedule_report import schedule_rows, schedule_summary
 
+SCRIPT = "scripts/schedule_ab.py"
 BEFORE = "@auto-before"
 BEFORE_SETTINGS = AdaptiveSettings(long_decay=AdaptiveSettings.decay, confidence=0.0)
 build_runner = bench.build_runner
@@ -46,14 +46,13 @@ def build_runner_with_before(spec: str, *args: Any, **kwargs: Any) -> bench.Runn
         schedule = schedule_of(*a, **k)
         if not isinstance(schedule, AdaptiveGamma):
             return schedule
-        old = BeforeRules(
+        return BeforeRules(
             schedule.cost,
             max_gamma=schedule.max_gamma,
             prior=schedule.prior,
-            settings=replace(BEFORE_SETTINGS),
+            settings=BEFORE_SETTINGS,
             timing_feedback=schedule.timing_feedback,
         )
-        return old
 
     decoder._schedule = before_schedule  # type: ignore[method-assign]
     return runner
@@ -78,8 +77,7 @@ def summarise(data: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    bench.build_runner = build_runner_with_before
-    cli.build_runner = build_runner_with_before  # in case the CLI imported it by name
+    bench.build_runner = build_runner_with_before  # run_bench looks it up in bench
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = cli.main(["bench", *argv])
@@ -88,8 +86,8 @@ def main(argv: list[str]) -> int:
     if "--out" in argv:  # the report names its command "specmtp ARGS": it was this script
         report = Path(argv[argv.index("--out") + 1]) / "report.md"
         args = " ".join(argv)
-        fixed = report.read_text().replace(f"specmtp {args}", f"python scripts/schedule_ab.py {args}", 1)
-        report.write_text(fixed)
+        text_now = report.read_text()
+        report.write_text(text_now.replace(f"specmtp {args}", f"python {SCRIPT} {args}", 1))
     if code == 0:
         summarise(json.loads(text.strip().splitlines()[-1]))
     return code

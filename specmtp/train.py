@@ -174,29 +174,29 @@ def train_mtp(config: TrainConfig) -> TrainReport | None:
     if not parallel.is_main:
         accelerator.wait_for_everyone()
         return None
-    report = _write_results(config, heads, heads_config, target, cache, step=step)
-    report = replace(report, seconds=time.perf_counter() - start_time)
+    rank_probs = _write_heads(config, heads, heads_config, target, cache)
+    report = TrainReport(
+        step, [row[0] for row in rank_probs], rank_probs, int(cache.manifest["num_tokens"]),
+        time.perf_counter() - start_time,
+    )  # fmt: skip
     (config.out / "report.json").write_text(json.dumps(asdict(report), indent=1))
     accelerator.wait_for_everyone()
     return report
 
 
-def _write_results(
+def _write_heads(
     config: TrainConfig,
     heads: Heads,
     heads_config: HeadsConfig,
     target: LoadedModel,
     cache: DistillCache,
-    *,
-    step: int,
-) -> TrainReport:
-    """Held-out statistics, the heads and their token tree; the report (seconds unset)."""
+) -> list[list[float]]:
+    """Save the heads and their token tree; return the held-out rank statistics."""
     rank_probs = rank_probabilities(heads, cache, config)
-    heldout = [row[0] for row in rank_probs]
     # float16, as distill saves drafts: half the size, and loading casts to the target's dtype.
     save_heads(heads, heads_config, config.out, dtype=torch.float16, trunk=target.model)
     best_tree(rank_probs, TREE_BUDGET).save(config.out / TREE_FILE)
-    return TrainReport(step, heldout, rank_probs, int(cache.manifest["num_tokens"]), 0.0)
+    return rank_probs
 
 
 def bf16_autocast(accelerator: Accelerator, mixed_precision: str) -> torch.autocast:
