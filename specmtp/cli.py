@@ -303,6 +303,16 @@ def _add_train_mtp_command(commands: argparse._SubParsersAction) -> None:
         help="tokens: cross-entropy on the target's answer tokens (default); kl: KL to the "
         "target's own distribution of each future token (its cached top-20)",
     )  # fmt: skip
+    train.add_argument(
+        "--text", action="store_true",
+        help="--data is training text (.txt folders: paragraph chunks), not prompts: the "
+        "target scores the text itself and nothing is generated; needs --objective kl",
+    )  # fmt: skip
+    train.add_argument(
+        "--init-from", type=Path, metavar="HEADS_DIR",
+        help="continue training these heads (same --kind, --num-heads, --num-layers, "
+        "--draft-vocab)",
+    )  # fmt: skip
     _add_field_flags(train, defaults, [
         ("num_heads", int), ("num_layers", int), ("draft_vocab", int), ("decay", float),
         *_TRAINING_FLAGS,

@@ -76,6 +76,9 @@ class DistillConfig:
     store_hidden: bool = True
     topk: int = 0  # cache the target's top-k log-probabilities; 0 = none
     forward_tokens: int = 2048  # token budget of one forward pass computing hidden/top-k
+    # Each source text is itself the answer to score, as plain text (no chat template):
+    # the target's hidden states and top-k over it, nothing generated (text_samples).
+    text: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "batch_size", "shard_size", "forward_tokens"):
@@ -88,6 +91,8 @@ class DistillConfig:
     def content_settings(self) -> dict[str, Any]:
         settings = asdict(self)
         del settings["batch_size"], settings["forward_tokens"]
+        if not self.text:  # caches built before text mode existed keep their identity
+            del settings["text"]
         return settings
 
 
@@ -263,6 +268,19 @@ def generate_answers(
     return [Sample(tuple(ids), answers[i]) for i, ids in enumerate(encoded)]
 
 
+def text_samples(model: LoadedModel, texts: Sequence[str]) -> list[Sample]:
+    """Texts as samples with no prompt: every token is an answer token, and the labels are
+    the target's own distributions over the text (train-mtp --text --objective kl)."""
+    samples = [Sample((), tuple(encode_prompt(model, t, chat=False))) for t in texts]
+    for i, sample in enumerate(samples):
+        if len(sample.answer_ids) > model.context_length:
+            raise SpecMTPError(
+                f"text {i} has {len(sample.answer_ids)} tokens, over the "
+                f"{model.context_length}-token context of {model.spec}"
+            )
+    return samples
+
+
 @torch.no_grad()
 def _generate_batch(
     model: LoadedModel, prompts: list[list[int]], max_new_tokens: int
@@ -355,7 +373,7 @@ def _ensure_shard(
 ) -> dict[str, Any]:
     """Build the shard at `path` unless a valid one is there; return its manifest entry."""
     if not _reusable_shard(path, key):
-        samples = generate_answers(
+        samples = text_samples(model, prompts) if config.text else generate_answers(
             model, prompts, max_new_tokens=config.max_new_tokens,
             batch_size=config.batch_size, chat=config.chat,
         )  # fmt: skip

@@ -65,11 +65,17 @@ def mtp_losses(
     loss_mask: torch.Tensor,  # [B, n] True where a token may serve as a label
     weights: Sequence[float],
     target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, n, k] values, ids
+    label_ids: torch.Tensor | None = None,  # [B, n]; None: input_ids
 ) -> HeadLosses:
     """Σ_i λ_i L_i: cross-entropy, or KL to the target's top-k when `target_topk` is
     given. Parallel heads are scored only at rows that have a label, which on prompt-heavy
-    data is most of the saving; sequential depths need whole sequences."""
+    data is most of the saving; sequential depths need whole sequences.
+
+    The label of position j (cross-entropy, accuracy, ranks) is label_ids[:, j]: by default
+    the input token, which on the target's own greedy answers is its top-1; on other text
+    the caller passes the target's top-1 instead, the token a draft must match."""
     n = input_ids.shape[1]
+    label_ids = input_ids if label_ids is None else label_ids
     depth_logits = (
         None if isinstance(heads, ParallelHeads) else heads.forward_all(hidden, input_ids)
     )
@@ -77,7 +83,7 @@ def mtp_losses(
     ces, accs, counts, ranks = [], [], [], []
     for i in range(min(heads.config.num_heads, n - 2)):
         rows = loss_mask[:, 2 + i :]  # [B, n-2-i]: label x_{t+2+i} exists and counts
-        labels = heads.to_draft_ids(input_ids[:, 2 + i :][rows])  # [M], -1: not in draft vocab
+        labels = heads.to_draft_ids(label_ids[:, 2 + i :][rows])  # [M], -1: not in draft vocab
         if depth_logits is None:
             logits = heads.head(i, hidden[:, : n - 2 - i][rows])  # [M, V']
         else:

@@ -10,6 +10,7 @@ checkpoints are atomic and a rerun of the same command resumes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -36,7 +37,15 @@ from specmtp.data import (
     rescore_cache,
 )
 from specmtp.errors import SpecMTPError
-from specmtp.heads import Heads, HeadsConfig, build_heads, describe_target, save_heads
+from specmtp.heads import (
+    HEADS_WEIGHTS,
+    Heads,
+    HeadsConfig,
+    build_heads,
+    describe_target,
+    load_heads,
+    save_heads,
+)
 from specmtp.models import DTYPES, LoadedModel, load_model
 from specmtp.mtp_loss import RANKS, decaying_weights, mtp_losses
 from specmtp.parallel import DataParallel, make_accelerator
@@ -82,6 +91,10 @@ class TrainConfig:
     # "tokens": cross-entropy on the target's answer tokens; "kl": KL to the target's own
     # distribution of each future token (its cached top-k, so the data needs topk > 0)
     objective: str = "tokens"
+    # the sources are training text, scored by the target, not prompts to answer (needs kl:
+    # the text's own tokens are not the target's)
+    text: bool = False
+    init_from: Path | None = None  # trained heads to continue from (their architecture)
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -98,6 +111,12 @@ class TrainConfig:
             )
         if self.cache is not None and self.answers_from is not None:
             raise SpecMTPError("give --cache or --answers-from, not both")
+        if self.text and self.objective != "kl":
+            raise SpecMTPError(
+                "--text needs --objective kl: the text's own tokens are not the target's"
+            )
+        if self.text and self.answers_from is not None:
+            raise SpecMTPError("give --text or --answers-from, not both")
         if self.dtype not in DTYPES or self.mixed_precision not in ("no", "bf16"):
             raise SpecMTPError(
                 f"dtype must be one of {list(DTYPES)} and mixed-precision 'no' or 'bf16'"
@@ -123,9 +142,13 @@ def train_mtp(config: TrainConfig) -> TrainReport | None:
     target = load_model(config.target, dtype=DTYPES[config.dtype])
     with parallel.main_first():
         cache = _data_cache(config, target)
-    heads_config = make_heads_config(config, target, cache)
     torch.manual_seed(config.seed)  # the same start in every process
-    heads = build_heads(heads_config, target.model).float()  # float32 master weights
+    if config.init_from is not None:
+        heads, heads_config = initial_heads(config, target)
+    else:
+        heads_config = make_heads_config(config, target, cache)
+        heads = build_heads(heads_config, target.model)
+    heads = heads.float()  # float32 master weights
     heads.to(accelerator.device)
     trainable = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
@@ -151,7 +174,7 @@ def train_mtp(config: TrainConfig) -> TrainReport | None:
         with bf16_autocast(accelerator, config.mixed_precision):
             losses = mtp_losses(
                 heads, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights,
-                target_topk=target_topk(batch, config),
+                target_topk=target_topk(batch, config), label_ids=label_ids(batch, config),
             )  # fmt: skip
         parallel.update(losses.loss, optimizer, trainable)
         step += 1
@@ -230,7 +253,9 @@ def _data_cache(config: TrainConfig, target: LoadedModel) -> DistillCache:
     prompts = load_train_prompts(
         config.sources, limit_per_source=config.limit_per_source, seed=config.seed
     )
-    data_config = DistillConfig(**{**asdict(config.data), "max_new_tokens": config.max_new_tokens})
+    data_config = DistillConfig(
+        **{**asdict(config.data), "max_new_tokens": config.max_new_tokens, "text": config.text}
+    )
     if config.objective == "kl" and not data_config.topk:
         data_config = replace(data_config, topk=KL_TOPK)
     return build_cache(
@@ -250,6 +275,27 @@ def make_heads_config(config: TrainConfig, target: LoadedModel, cache: DistillCa
         num_layers=config.num_layers,
         draft_vocab=frequent_tokens(cache, config) if config.draft_vocab else None,
     )
+
+
+def initial_heads(config: TrainConfig, target: LoadedModel) -> tuple[Heads, HeadsConfig]:
+    """The heads at `init_from` (continued training), checked against the run's settings:
+    their architecture and draft vocabulary are kept, so the flags must describe them."""
+    assert config.init_from is not None
+    heads, found = load_heads(config.init_from, target_model=target.model)
+    vocab = len(found.draft_vocab) if found.draft_vocab else 0
+    # --draft-vocab N asks for at most N tokens (fewer when the data has fewer)
+    same_vocab = (vocab == 0) == (config.draft_vocab == 0) and vocab <= config.draft_vocab
+    for flag, ours, theirs, same in (
+        ("--kind", config.kind, found.kind, None),
+        ("--num-heads", config.num_heads, found.num_heads, None),
+        ("--num-layers", config.num_layers, found.num_layers, None),
+        ("--draft-vocab", config.draft_vocab, vocab, same_vocab),
+    ):
+        if not (ours == theirs if same is None else same):
+            raise SpecMTPError(
+                f"heads in {config.init_from} have {flag} {theirs}, this run asks for {ours}"
+            )
+    return heads, found
 
 
 def frequent_tokens(cache: DistillCache, config: TrainConfig) -> tuple[int, ...]:
@@ -280,16 +326,21 @@ def run_identity(
     settings = {
         k: v
         for k, v in asdict(config).items()
-        if k not in ("out", "sources", "data", "steps", "cache", "answers_from")
+        if k not in ("out", "sources", "data", "steps", "cache", "answers_from", "init_from")
     }
     if config.objective == "tokens":  # the only one before there was a choice: old runs resume
         del settings["objective"]
+    if not config.text:  # as before text mode existed: old runs resume
+        del settings["text"]
     identity = {
         "model": model_fingerprint(target),
         "data": cache.manifest["key"],
         "heads": json.loads(heads.to_json()),
         "settings": json.loads(json.dumps(settings, default=str)),
     }
+    if config.init_from is not None:  # the starting weights, not where they were
+        weights = (config.init_from / HEADS_WEIGHTS).read_bytes()
+        identity["init_from"] = hashlib.sha256(weights).hexdigest()
     if processes > 1:  # one process: as before there was a choice, so old runs resume
         identity["processes"] = processes
     return identity
@@ -303,6 +354,17 @@ def target_topk(
         return None
     assert batch.topk_values is not None and batch.topk_indices is not None  # _data_cache
     return batch.topk_values, batch.topk_indices
+
+
+def label_ids(batch: DistillBatch, config: TrainConfig) -> torch.Tensor | None:
+    """On text (--text), what each position is scored against: the target's top-1 given
+    the text before it (its cached top-k at the position before), since drafts must match
+    the target, not the text; None (the tokens themselves) on the target's own answers."""
+    if not config.text:
+        return None
+    assert batch.topk_indices is not None  # text mode needs kl, which caches the top-k
+    top1 = batch.topk_indices[:, :-1, 0]  # [B, T-1]: the target's choice of tokens 1..T-1
+    return torch.cat([batch.input_ids[:, :1], top1], dim=1)  # [B, T]; token 0 is no label
 
 
 def endless_batches(
@@ -344,7 +406,10 @@ def rank_probabilities(heads: Heads, cache: DistillCache, config: TrainConfig) -
         split="heldout", heldout_fraction=config.heldout_fraction,
     ):  # fmt: skip
         batch = batch.to(device)
-        result = mtp_losses(heads, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights)
+        result = mtp_losses(
+            heads, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights,
+            label_ids=label_ids(batch, config),
+        )  # fmt: skip
         for i, (hist, n) in enumerate(
             zip(result.per_head_rank_counts, result.per_head_count, strict=True)
         ):

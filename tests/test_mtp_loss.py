@@ -60,3 +60,24 @@ def test_kl_to_one_hot_targets_is_the_cross_entropy(target: PreTrainedModel, kin
     assert abs(soft.loss.item() - ce.loss.item()) > 1e-3
     soft.loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in heads.parameters())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_labels_are_scored_against_label_ids(target: PreTrainedModel, kind: str) -> None:
+    torch.manual_seed(0)
+    heads = build_heads(config_for(target, kind), target)
+    ids, hidden = tokens_and_hidden(target, seed=4, n=12)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    weights = decaying_weights(3)
+    # Labels set to each depth's own top-1 over the same inputs: every prediction is a hit.
+    own = mtp_losses(heads, ids, hidden, mask, weights)
+    assert max(own.per_head_accuracy) < 1
+    if kind == "parallel":
+        top1 = [heads.head(i, hidden).argmax(-1) for i in range(3)]
+    else:
+        top1 = [logits.argmax(-1) for logits in heads.forward_all(hidden, ids)]
+    for i in range(3):  # depth i's row t predicts position t + 2 + i
+        labels = ids.clone()
+        labels[:, 2 + i :] = heads.to_full_ids(top1[i][:, : ids.shape[1] - 2 - i])
+        hits = mtp_losses(heads, ids, hidden, mask, weights, label_ids=labels)
+        assert hits.per_head_accuracy[i] == 1.0

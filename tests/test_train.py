@@ -13,10 +13,11 @@ from conftest import tiny_model
 from safetensors.torch import load_file
 
 from specmtp.cli import main
+from specmtp.data import DistillCache, iter_batches, load_train_prompts
 from specmtp.errors import SpecMTPError
 from specmtp.heads import load_heads
 from specmtp.models import load_model
-from specmtp.train import TrainConfig, train_mtp
+from specmtp.train import TrainConfig, label_ids, train_mtp
 from specmtp.tree import TREE_FILE, TokenTree
 
 PROMPTS = "\n\n".join(
@@ -160,3 +161,57 @@ def test_heads_for_a_draft_learn_the_targets_answers_from_the_drafts_features(
         load_heads(out, target_model=load_model(str(tiny_target)).model)
     with pytest.raises(SpecMTPError, match="not both"):
         replace(config(draft_dir, prompts, out, 2), cache=out / "data", answers_from=out / "data")
+
+
+def test_text_mode_trains_on_the_targets_distributions_over_the_text_itself(
+    tiny_target: Path, prompts: Path, tmp_path: Path
+) -> None:
+    text = replace(config(tiny_target, prompts, tmp_path, steps=2), objective="kl", text=True)
+    assert train_mtp(text).steps == 2
+    cache = DistillCache.open(tmp_path / "data")
+    assert cache.manifest["settings"]["text"] is True
+    target = load_model(str(tiny_target))
+    chunks = load_train_prompts([prompts], seed=0)
+    assert cache.num_samples == len(chunks)
+    for index in (0, 5):
+        sample = cache.sample(index)
+        ids = target.tokenizer(chunks[index]).input_ids  # plain text, nothing generated
+        assert sample["input_ids"].tolist() == ids and bool(sample["loss_mask"].all())
+        with torch.no_grad():
+            logits = target.model(torch.tensor([ids])).logits[0].float()
+        expected = torch.log_softmax(logits, -1).topk(20, -1)
+        assert torch.equal(sample["topk_indices"][:, :5].long(), expected.indices[:, :5])
+        torch.testing.assert_close(
+            sample["topk_values"].float(), expected.values, atol=2e-2, rtol=1e-2
+        )
+    # Positions are scored against the target's top-1 after the text before them.
+    batch = next(iter_batches(cache, batch_size=2, seq_len=64, seed=None))
+    labels = label_ids(batch, text)
+    assert torch.equal(labels[:, 1:], batch.topk_indices[:, :-1, 0])
+    assert label_ids(batch, replace(text, text=False)) is None
+    with pytest.raises(SpecMTPError, match="--text needs --objective kl"):
+        replace(text, objective="tokens")
+
+
+def test_init_from_continues_the_given_heads_and_checks_them(
+    tiny_target: Path, prompts: Path, tmp_path: Path
+) -> None:
+    first = tmp_path / "first"
+    train_mtp(config(tiny_target, prompts, first, steps=3))
+    before = load_file(first / "heads.safetensors")
+    still = replace(
+        config(tiny_target, prompts, tmp_path / "still", steps=1),
+        cache=first / "data", init_from=first, lr=1e-12,
+    )  # fmt: skip
+    train_mtp(still)
+    after = load_file(tmp_path / "still" / "heads.safetensors")
+    for name in before:  # an almost-zero step from the given heads, not a fresh start
+        torch.testing.assert_close(after[name], before[name])
+    fresh = replace(still, out=tmp_path / "fresh", init_from=None)
+    train_mtp(fresh)
+    fresh_weights = load_file(tmp_path / "fresh" / "heads.safetensors")
+    assert any(not torch.equal(fresh_weights[n], before[n]) for n in before)
+    with pytest.raises(SpecMTPError, match="have --num-heads 3, this run asks for 2"):
+        train_mtp(replace(still, out=tmp_path / "other", num_heads=2))
+    with pytest.raises(SpecMTPError, match="--draft-vocab"):
+        train_mtp(replace(still, out=tmp_path / "other", draft_vocab=0))
