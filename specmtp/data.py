@@ -93,6 +93,8 @@ class DistillConfig:
         del settings["batch_size"], settings["forward_tokens"]
         if not self.text:  # caches built before text mode existed keep their identity
             del settings["text"]
+        else:  # nothing is generated, and text is scored as plain text
+            del settings["max_new_tokens"], settings["chat"]
         return settings
 
 

@@ -169,7 +169,8 @@ def test_text_mode_trains_on_the_targets_distributions_over_the_text_itself(
     text = replace(config(tiny_target, prompts, tmp_path, steps=2), objective="kl", text=True)
     assert train_mtp(text).steps == 2
     cache = DistillCache.open(tmp_path / "data")
-    assert cache.manifest["settings"]["text"] is True
+    settings = cache.manifest["settings"]
+    assert settings["text"] is True and "chat" not in settings and "max_new_tokens" not in settings
     target = load_model(str(tiny_target))
     chunks = load_train_prompts([prompts], seed=0)
     assert cache.num_samples == len(chunks)
