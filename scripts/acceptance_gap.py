@@ -8,7 +8,7 @@ accuracy when drafting is right). Several --heads are compared on the same answe
     python scripts/acceptance_gap.py --prompts ../shared/prompts/eval/spec_bench/question.jsonl \
         --per-category 2 --max-new-tokens 64 --heads DIR_A --heads DIR_B [--loop]
 
-Used in docs/mtp-heads.md ("Text-trained heads") to find where the shipped heads' acceptance
+Used in docs/mtp-heads.md ("Where the acceptance goes") to find where the shipped heads' acceptance
 on Spec-Bench (0.3-0.4) falls short of their held-out top-1 on training answers (0.64).
 """
 

@@ -283,15 +283,16 @@ def initial_heads(config: TrainConfig, target: LoadedModel) -> tuple[Heads, Head
     assert config.init_from is not None
     heads, found = load_heads(config.init_from, target_model=target.model)
     vocab = len(found.draft_vocab) if found.draft_vocab else 0
-    # --draft-vocab N asks for at most N tokens (fewer when the data has fewer)
-    same_vocab = (vocab == 0) == (config.draft_vocab == 0) and vocab <= config.draft_vocab
     for flag, ours, theirs, same in (
-        ("--kind", config.kind, found.kind, None),
-        ("--num-heads", config.num_heads, found.num_heads, None),
-        ("--num-layers", config.num_layers, found.num_layers, None),
-        ("--draft-vocab", config.draft_vocab, vocab, same_vocab),
-    ):
-        if not (ours == theirs if same is None else same):
+        ("--kind", config.kind, found.kind, config.kind == found.kind),
+        ("--num-heads", config.num_heads, found.num_heads, config.num_heads == found.num_heads),
+        ("--num-layers", config.num_layers, found.num_layers,
+         config.num_layers == found.num_layers),
+        # --draft-vocab N asks for at most N tokens (fewer when the data has fewer)
+        ("--draft-vocab", config.draft_vocab, vocab,
+         (vocab == 0) == (config.draft_vocab == 0) and vocab <= config.draft_vocab),
+    ):  # fmt: skip
+        if not same:
             raise SpecMTPError(
                 f"heads in {config.init_from} have {flag} {theirs}, this run asks for {ours}"
             )
@@ -299,8 +300,15 @@ def initial_heads(config: TrainConfig, target: LoadedModel) -> tuple[Heads, Head
 
 
 def frequent_tokens(cache: DistillCache, config: TrainConfig) -> tuple[int, ...]:
-    """The `draft_vocab` most frequent answer tokens of the training split, sorted by id."""
-    counts = answer_token_counts(cache, config.heldout_fraction)
+    """The `draft_vocab` most frequent answer tokens of the training split, sorted by id; on
+    text (--text), the target's most frequent top-1 tokens, the labels heads are scored on."""
+    if config.text:
+        counts: Counter[int] = Counter()
+        for index in range(cache.num_samples):
+            if not is_heldout(index, config.heldout_fraction):
+                counts.update(cache.sample(index)["topk_indices"][:, 0].tolist())
+    else:
+        counts = answer_token_counts(cache, config.heldout_fraction)
     return tuple(sorted(token for token, _ in counts.most_common(config.draft_vocab)))
 
 

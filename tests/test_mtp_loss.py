@@ -38,12 +38,18 @@ def test_topk_kl_is_the_kl_over_the_partition() -> None:
     assert float(topk_kl(log_p, values, top)) == pytest.approx(0.0, abs=1e-6)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_kl_to_one_hot_targets_is_the_cross_entropy(target: PreTrainedModel, kind: str) -> None:
+def heads_and_data(target: PreTrainedModel, kind: str, seed: int) -> tuple:
+    """Fresh heads (seed 0), a sequence of 12 tokens with the target's hidden states, and a
+    mask with every position a label."""
     torch.manual_seed(0)
     heads = build_heads(config_for(target, kind), target)
-    ids, hidden = tokens_and_hidden(target, seed=3, n=12)
-    mask = torch.ones_like(ids, dtype=torch.bool)
+    ids, hidden = tokens_and_hidden(target, seed=seed, n=12)
+    return heads, ids, hidden, torch.ones_like(ids, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kl_to_one_hot_targets_is_the_cross_entropy(target: PreTrainedModel, kind: str) -> None:
+    heads, ids, hidden, mask = heads_and_data(target, kind, seed=3)
     mask[:, :4] = False  # a prompt: its tokens are no labels
     weights = decaying_weights(3)
     # The target "distribution" at position j is certain of x_{j+1}: top-2 = (it, another).
@@ -64,10 +70,7 @@ def test_kl_to_one_hot_targets_is_the_cross_entropy(target: PreTrainedModel, kin
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_labels_are_scored_against_label_ids(target: PreTrainedModel, kind: str) -> None:
-    torch.manual_seed(0)
-    heads = build_heads(config_for(target, kind), target)
-    ids, hidden = tokens_and_hidden(target, seed=4, n=12)
-    mask = torch.ones_like(ids, dtype=torch.bool)
+    heads, ids, hidden, mask = heads_and_data(target, kind, seed=4)
     weights = decaying_weights(3)
     # Labels set to each depth's own top-1 over the same inputs: every prediction is a hit.
     own = mtp_losses(heads, ids, hidden, mask, weights)

@@ -185,6 +185,15 @@ def test_text_mode_trains_on_the_targets_distributions_over_the_text_itself(
         torch.testing.assert_close(
             sample["topk_values"].float(), expected.values, atol=2e-2, rtol=1e-2
         )
+    # The draft vocabulary is made of the target's top-1 tokens, not of the text's tokens.
+    _, heads_config = load_heads(tmp_path, target_model=target.model)
+    top1 = {
+        t for i in range(cache.num_samples) for t in cache.sample(i)["topk_indices"][:, 0].tolist()
+    }
+    text_tokens = {
+        t for i in range(cache.num_samples) for t in cache.sample(i)["input_ids"].tolist()
+    }
+    assert set(heads_config.draft_vocab) <= top1 and text_tokens - top1
     # Positions are scored against the target's top-1 after the text before them.
     batch = next(iter_batches(cache, batch_size=2, seq_len=64, seed=None))
     labels = label_ids(batch, text)
