@@ -6,11 +6,12 @@ from a fixed list written for this script; fiction gets story tasks. No evaluati
 (`shared/prompts/eval/`) is used or imitated.
 
     python scripts/corpus_prompts.py ~/.cache/specmtp/runs/corpora/brown --out prompts.jsonl \
-        [--max-chars 700] [--limit 1000] [--seed 0]
+        [--max-chars 700] [--limit 1000] [--seed 0] [--all-fiction]
 
 Writes one {"prompt": ...} object per line, shuffled with `--seed`. The Brown corpus names
 its texts by genre: ck..cr are fiction (general, mystery, science fiction, adventure,
-romance, humour).
+romance, humour). `--all-fiction` gives every passage story tasks (for a folder of novels,
+such as Jane Austen's).
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ FICTION = [
 _FICTION_FILE = re.compile(r"c[k-r]\d+\.txt")
 
 
-def passages(folder: Path, max_chars: int) -> list[tuple[str, bool]]:
+def passages(folder: Path, max_chars: int, all_fiction: bool = False) -> list[tuple[str, bool]]:
     """(passage, is_fiction) for each paragraph chunk, cut to about max_chars at a sentence."""
     found = []
     for path in sorted(folder.glob("*.txt")):
-        fiction = bool(_FICTION_FILE.fullmatch(path.name))
+        fiction = all_fiction or bool(_FICTION_FILE.fullmatch(path.name))
         for chunk in load_train_prompts([path], seed=0, max_chars=None):
             if len(chunk) > max_chars:
                 cut = chunk.rfind(". ", 0, max_chars)
@@ -62,9 +63,10 @@ def main() -> None:
     parser.add_argument("--max-chars", type=int, default=700)
     parser.add_argument("--limit", type=int)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--all-fiction", action="store_true", help="story tasks for every text")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    chosen = passages(args.folder, args.max_chars)
+    chosen = passages(args.folder, args.max_chars, args.all_fiction)
     rng.shuffle(chosen)
     counts = {False: 0, True: 0}
     lines = []

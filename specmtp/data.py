@@ -132,14 +132,19 @@ def load_train_prompts(
     if not sources:
         raise SpecMTPError("no prompt sources given")
     prompts: list[str] = []
-    for source in map(Path, sources):
-        texts = list(dict.fromkeys(t.strip() for t in _source_texts(source) if t.strip()))
-        kept = [t for t in texts if max_chars is None or len(t) <= max_chars]
-        if not kept:
-            dropped = f" ({len(texts)} longer than {max_chars} characters)" if texts else ""
-            raise SpecMTPError(f"no prompts found in {source}{dropped}")
-        prompts += _shuffled(kept, seed)[:limit_per_source]
+    for source in sources:
+        prompts += source_prompts(source, seed=seed, max_chars=max_chars)[:limit_per_source]
     return _shuffled(prompts, seed)
+
+
+def source_prompts(source: Path | str, *, seed: int = 0, max_chars: int | None = 4000) -> list[str]:
+    """One source's distinct prompts in the order `limit_per_source` takes them."""
+    texts = list(dict.fromkeys(t.strip() for t in _source_texts(Path(source)) if t.strip()))
+    kept = [t for t in texts if max_chars is None or len(t) <= max_chars]
+    if not kept:
+        dropped = f" ({len(texts)} longer than {max_chars} characters)" if texts else ""
+        raise SpecMTPError(f"no prompts found in {source}{dropped}")
+    return _shuffled(kept, seed)
 
 
 def _shuffled(items: list[str], seed: int) -> list[str]:

@@ -92,6 +92,15 @@ def test_limit_per_source_and_mixing() -> None:
     assert any("Your code should pass this test:\nassert" in p for p in alone)
 
 
+def test_source_prompts_is_the_order_limit_per_source_takes() -> None:
+    source = TRAIN_PROMPTS / "mbpp"
+    ordered = data.source_prompts(source, seed=0)
+    taken = load_train_prompts([source], limit_per_source=7, seed=0)
+    assert set(taken) == set(ordered[:7])
+    assert taken != ordered[:7]  # the union is shuffled again; the per-source order is not
+    assert not set(ordered[7:14]) & set(taken)  # a later slice skips what a run took
+
+
 def test_txt_document_becomes_paragraph_chunks(tmp_path: Path) -> None:
     paragraphs = [f"Paragraph {i}. " + "word " * 100 for i in range(12)]
     path = tmp_path / "doc.txt"
