@@ -17,12 +17,13 @@ import json
 from pathlib import Path
 
 from specmtp.data import source_prompts
+from specmtp.errors import SpecMTPError
 
 
 def parse_slice(spec: str) -> tuple[Path, int, int]:
-    source, start, count = spec.rsplit(":", 2)
-    if int(start) < 0 or int(count) < 1:
-        raise SystemExit(f"prompt_mix: bad slice {spec!r}: START >= 0 and COUNT >= 1")
+    source, start, count = ([""] * 3 + spec.rsplit(":", 2))[-3:]  # a path may hold ":"
+    if not (source and start.isdigit() and count.isdigit() and int(count) >= 1):
+        raise SystemExit(f"prompt_mix: bad slice {spec!r}: want SOURCE:START:COUNT, COUNT >= 1")
     return Path(source), int(start), int(count)
 
 
@@ -33,7 +34,10 @@ def main() -> None:
     args = parser.parse_args()
     lines = []
     for source, start, count in map(parse_slice, args.slices):
-        prompts = source_prompts(source)[start : start + count]
+        try:
+            prompts = source_prompts(source)[start : start + count]
+        except SpecMTPError as error:
+            raise SystemExit(f"prompt_mix: {error}") from None
         if len(prompts) < count:
             raise SystemExit(f"prompt_mix: {source} has {len(prompts)} prompts from {start}")
         lines += [json.dumps({"prompt": p}, ensure_ascii=False) for p in prompts]
