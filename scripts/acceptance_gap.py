@@ -21,7 +21,7 @@ import torch
 
 from specmtp import bench
 from specmtp.config import GenerationConfig
-from specmtp.heads import Heads, load_heads, shipped_heads_dir
+from specmtp.heads import Heads, load_heads, shipped_heads_dir, target_features
 from specmtp.models import LoadedModel, load_model
 
 
@@ -32,7 +32,8 @@ def teacher_forced(
     (the first answer token is the target's own, never drafted)."""
     x = torch.tensor([ids])
     with torch.no_grad():
-        hidden = target.model.model(x).last_hidden_state.float()
+        out = target.model(x, output_hidden_states=True, logits_to_keep=1)
+        hidden = target_features(out.hidden_states, heads.config.feature_layers).float()
         logits = heads.forward_all(hidden, x)
     result = []
     for i, depth_logits in enumerate(logits):

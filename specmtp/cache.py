@@ -7,6 +7,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from specmtp.errors import SpecMTPError
+from specmtp.heads import target_features
 
 
 class CachedModel:
@@ -26,13 +27,16 @@ class CachedModel:
         vocab_size: int,
         name: str = "model",
         keep_hidden: bool = False,
+        hidden_layers: tuple[int, ...] | None = None,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.name = name
         # With keep_hidden, `last_hidden` [B, n, H] holds the final hidden states (the LM
         # head's input) of the tokens of the latest forward: MTP heads draft from them.
+        # With hidden_layers, those layers' states side by side (heads.target_features).
         self.keep_hidden = keep_hidden
+        self.hidden_layers = hidden_layers
         self.last_hidden: torch.Tensor | None = None
         self.cache = self._new_cache()
         self.length = 0
@@ -82,7 +86,8 @@ class CachedModel:
             output_hidden_states=self.keep_hidden,
         )
         if self.keep_hidden:
-            self.last_hidden = out.hidden_states[-1]  # after the final norm, in transformers 5
+            # hidden_states[-1] is taken after the final norm, in transformers 5
+            self.last_hidden = target_features(out.hidden_states, self.hidden_layers)
         self.length += n
         return out.logits[..., : self.vocab_size]
 

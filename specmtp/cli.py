@@ -313,6 +313,12 @@ def _add_train_mtp_command(commands: argparse._SubParsersAction) -> None:
         help="continue training these heads (same --kind, --num-heads, --num-layers, "
         "--draft-vocab)",
     )  # fmt: skip
+    train.add_argument(
+        "--feature-layers", type=_int_list, metavar="I,J,K",
+        help="sequential heads read these hidden states of the target, fused (EAGLE-3), "
+        "e.g. 3,15,30 (0: the embeddings; the number of layers: the final state, which "
+        "must come last with --init-from heads on it alone); default: the final state",
+    )  # fmt: skip
     _add_field_flags(train, defaults, [
         ("num_heads", int), ("num_layers", int), ("draft_vocab", int), ("decay", float),
         *_TRAINING_FLAGS,

@@ -7,7 +7,8 @@ the samples of `shard_size` prompts, concatenated (all tensors are indexed by to
     offsets      int64    [S+1]   sample s is input_ids[offsets[s]:offsets[s+1]]
     loss_mask    bool     [N]     True on answer tokens (where heads learn)
     hidden       float16  [N, H]  optional: the target's final hidden state at each position,
-                                  after the final norm, i.e. the LM head's input (predicts t+1)
+                                  after the final norm, i.e. the LM head's input (predicts t+1);
+                                  with `feature_layers`, those states side by side [N, k*H]
     topk_values  float16  [N, k]  optional: the target's k largest log-probabilities at each
     topk_indices int32    [N, k]  position (log-softmax over the full vocabulary) and their ids
 
@@ -45,6 +46,7 @@ from tqdm.auto import tqdm
 
 from specmtp.api import eos_token_ids
 from specmtp.errors import SpecMTPError
+from specmtp.heads import target_features
 from specmtp.models import LoadedModel, vocab_digest
 
 # Default model, 2-core CPU, answer tokens/s: 16 prompts x 64 tokens, short prompts:
@@ -79,6 +81,8 @@ class DistillConfig:
     # Each source text is itself the answer to score, as plain text (no chat template):
     # the target's hidden states and top-k over it, nothing generated (text_samples).
     text: bool = False
+    # Which hidden states to store (heads.target_features): None, the final one alone.
+    feature_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "batch_size", "shard_size", "forward_tokens"):
@@ -95,6 +99,10 @@ class DistillConfig:
             del settings["text"]
         else:  # nothing is generated, and text is scored as plain text
             del settings["max_new_tokens"], settings["chat"]
+        if self.feature_layers is None:  # likewise before feature layers
+            del settings["feature_layers"]
+        else:  # as JSON reads it back
+            settings["feature_layers"] = list(self.feature_layers)
         return settings
 
 
@@ -366,7 +374,7 @@ def build_cache(
         "key": key,
         "sources": [str(s) for s in sources],
         "num_tokens": sum(s["tokens"] for s in shards),
-        "hidden_size": model.model.config.get_text_config().hidden_size,
+        "hidden_size": _stored_width(model, config.feature_layers),
         "vocab_sha256": vocab_digest(model.tokenizer),  # what the token ids mean
         "shards": shards,
     }
@@ -398,14 +406,20 @@ def _ensure_shard(
 
 
 def rescore_cache(
-    source: DistillCache, model: LoadedModel, directory: Path, *, forward_tokens: int = 2048
+    source: DistillCache,
+    model: LoadedModel,
+    directory: Path,
+    *,
+    forward_tokens: int = 2048,
+    feature_layers: tuple[int, ...] | None = None,
 ) -> DistillCache:
     """`source`'s samples, another model's answers, with `model`'s own hidden states: the data
     for MTP heads on a draft model that learn the target's answers from the draft's features.
 
     The token ids must mean the same to both models. The source's top-k log-probabilities
     (the answering model's distributions) are copied, not recomputed. Shards follow the
-    source's, so a killed rescoring resumes as a build does.
+    source's, so a killed rescoring resumes as a build does. With `feature_layers` the
+    hidden states are those layers' (the same model may rescore its own answers for it).
     """
     theirs, answered_by = source.manifest.get("vocab_sha256"), source.manifest["model"]["spec"]
     if theirs is None:
@@ -418,10 +432,17 @@ def rescore_cache(
             f"vocabulary mismatch: cache {source.directory} was answered by {answered_by!r}, "
             f"whose token ids mean other tokens than {model.spec!r}'s"
         )
+    config = DistillConfig(
+        store_hidden=True, topk=0, forward_tokens=forward_tokens, feature_layers=feature_layers
+    )
+    settings = {**source.manifest["settings"], "store_hidden": True}
+    settings.pop("feature_layers", None)
+    if feature_layers is not None:
+        settings["feature_layers"] = list(feature_layers)
     identity = {
         "format": _FORMAT,
         "model": {"spec": model.spec, "fingerprint": model_fingerprint(model)},
-        "settings": {**source.manifest["settings"], "store_hidden": True},
+        "settings": settings,
         "prompts_sha256": source.manifest["prompts_sha256"],
         "num_samples": source.num_samples,
         "answers_from": {"model": source.manifest["model"], "key": source.manifest["key"]},
@@ -430,7 +451,6 @@ def rescore_cache(
     if (directory / MANIFEST).exists():
         _check_identity(directory, _read_manifest(directory), identity)
     key = _sha256(json.dumps(identity, sort_keys=True).encode())
-    config = DistillConfig(store_hidden=True, topk=0, forward_tokens=forward_tokens)
     shards = []
     for entry in tqdm(source.manifest["shards"], desc="rescoring", unit="shard", disable=None):
         path = directory / entry["file"]
@@ -448,7 +468,7 @@ def rescore_cache(
         "key": key,
         "sources": source.manifest["sources"],
         "num_tokens": source.manifest["num_tokens"],
-        "hidden_size": model.model.config.get_text_config().hidden_size,
+        "hidden_size": _stored_width(model, feature_layers),
         "vocab_sha256": theirs,
         "shards": shards,
     }
@@ -532,7 +552,8 @@ def _target_outputs(
         for row, i in enumerate(rows):
             n, found = len(sequences[i]), {}
             if config.store_hidden:
-                found["hidden"] = out.hidden_states[-1][row, :n].to(torch.float16)  # [n, H]
+                features = target_features(out.hidden_states, config.feature_layers)
+                found["hidden"] = features[row, :n].to(torch.float16)  # [n, F]
             if config.topk:
                 logprobs = torch.log_softmax(out.logits[row, :n].float(), dim=-1)  # [n, V]
                 values, indices = logprobs.topk(config.topk, dim=-1)  # [n, k]
@@ -544,6 +565,12 @@ def _target_outputs(
         name: torch.cat([per_sequence[i][name] for i in range(len(sequences))]).contiguous()
         for name in names
     }
+
+
+def _stored_width(model: LoadedModel, feature_layers: tuple[int, ...] | None) -> int:
+    """The width of the cached hidden states: H, or k*H for k feature layers."""
+    hidden = model.model.config.get_text_config().hidden_size
+    return hidden * (1 if feature_layers is None else len(feature_layers))
 
 
 def _write_atomically(path: Path, write: Any) -> None:
@@ -591,6 +618,8 @@ class DistillCache:
         settings = manifest["settings"]
         self.has_hidden: bool = settings["store_hidden"]
         self.topk: int = settings["topk"]
+        layers = settings.get("feature_layers")
+        self.feature_layers = None if layers is None else tuple(layers)
         self._shards = [_open_shard(directory / s["file"], s, manifest) for s in manifest["shards"]]
         counts = [0] + [s["samples"] for s in manifest["shards"]]
         self._starts = torch.cumsum(torch.tensor(counts), 0)

@@ -74,6 +74,7 @@ class SpecDecoder:
             vocab_size=vocab_size,
             name="target",
             keep_hidden=drafter is not None and drafter.needs_target_hidden,
+            hidden_layers=getattr(drafter, "target_hidden_layers", None),
         )
         self.drafter = drafter
         self.context_length = context_length

@@ -90,6 +90,8 @@ class Drafter(Protocol):
 
     # Optional, for drafters with several sources: `next_arm(context) -> str`, the source
     # that drafts the coming round (see drafter_arm).
+    # Optional, with needs_target_hidden: `target_hidden_layers`, which of the target's
+    # hidden states the drafter reads (heads.target_features); absent or None: the final.
 
 
 class NoMemory:
@@ -184,6 +186,7 @@ class LookupFirstDrafter:
         self.fallback = fallback
         self.name = f"ngram+{fallback.name}"
         self.needs_target_hidden = fallback.needs_target_hidden
+        self.target_hidden_layers = getattr(fallback, "target_hidden_layers", None)
         self.lookup_rounds = 0  # rounds drafted by lookup, and by the fallback
         self.fallback_rounds = 0
         # The last context looked up and where its match continues: the decoder asks
@@ -270,8 +273,9 @@ class DraftModelDrafter:
         if output_ids is not None:
             restrict_output_vocab(model, output_ids)
         self.runner = CachedModel(
-            model, vocab_size=vocab_size, name=name, keep_hidden=heads is not None
-        )
+            model, vocab_size=vocab_size, name=name, keep_hidden=heads is not None,
+            hidden_layers=None if heads is None else heads.config.feature_layers,
+        )  # fmt: skip
         self.name = name
         self.needs_target_hidden = False
         self.fed = torch.empty(1, 0, dtype=torch.long)  # [1, runner.length]
@@ -414,6 +418,7 @@ class MTPDrafter:
         self.nodes = nodes
         self.name = name
         self.needs_target_hidden = True
+        self.target_hidden_layers = heads.config.feature_layers
         self.hidden: torch.Tensor | None = None  # [B, 1, H] at the last verified position
         # Sequential depths attend over the history, as in training: they keep a cache.
         self.history = SequentialDraftCache(heads) if isinstance(heads, SequentialMTP) else None

@@ -79,6 +79,10 @@ class HeadsConfig:
     draft_vocab: tuple[int, ...] | None = None
     share_lm_head: bool = True
     attention_heads: int = 4
+    # Which of the target's hidden states the heads read (EAGLE-3's feature fusion): indices
+    # into `output_hidden_states` (0: the embeddings; the last layer's index: the final,
+    # normed state), ascending. None: the final state alone. See `target_features`.
+    feature_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -103,6 +107,15 @@ class HeadsConfig:
             if len(set(ids)) != len(ids):
                 raise SpecMTPError("draft_vocab lists a token id more than once")
             object.__setattr__(self, "draft_vocab", ids)  # a list given in: store hashable
+        if self.feature_layers is not None:
+            layers = tuple(self.feature_layers)
+            if self.kind != "sequential":
+                raise SpecMTPError("feature_layers needs sequential heads")
+            if not layers or not all(isinstance(i, int) and i >= 0 for i in layers):
+                raise SpecMTPError("feature_layers must be a non-empty list of layer indices >= 0")
+            if list(layers) != sorted(set(layers)):
+                raise SpecMTPError(f"feature_layers must be ascending and distinct, got {layers}")
+            object.__setattr__(self, "feature_layers", layers)
 
     @property
     def output_size(self) -> int:
@@ -113,6 +126,10 @@ class HeadsConfig:
         fields = dataclasses.asdict(self)
         if self.draft_vocab is not None:
             fields["draft_vocab"] = list(self.draft_vocab)
+        if self.feature_layers is None:  # heads saved before the field existed read the same
+            del fields["feature_layers"]
+        else:
+            fields["feature_layers"] = list(self.feature_layers)
         return json.dumps(fields, indent=2, sort_keys=True)
 
     @classmethod
@@ -317,6 +334,28 @@ class _Depth(nn.Module):
         return out, self.final_norm(out), kv
 
 
+class _FeatureFusion(nn.Module):
+    """k of the target's hidden states [..., k*H] -> one [..., H]: each RMS-normed (the
+    residual stream's scale grows with depth), concatenated, projected (EAGLE-3).
+
+    The projection starts as the identity on the last (highest) layer and zero on the
+    others, so fused heads begin exactly where heads on that layer alone are: depth 0
+    RMS-norms its input, and a norm of the final state differs from it by a scalar only.
+    """
+
+    def __init__(self, hidden_size: int, layers: int) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.RMSNorm(hidden_size, eps=_NORM_EPS) for _ in range(layers))
+        self.project = nn.Linear(layers * hidden_size, hidden_size, bias=False)
+        with torch.no_grad():
+            self.project.weight.zero_()
+            self.project.weight[:, -hidden_size:] = torch.eye(hidden_size)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        parts = features.chunk(len(self.norms), dim=-1)  # k x [..., H]
+        return self.project(torch.cat([n(p) for n, p in zip(self.norms, parts, strict=True)], -1))
+
+
 class SequentialMTP(_HeadsBase):
     """DeepSeek-V3 multi-token prediction: K chained depths, depth i predicts x_{t+2+i}.
 
@@ -339,23 +378,29 @@ class SequentialMTP(_HeadsBase):
         self.depths = nn.ModuleList(
             _Depth(config.hidden_size, config.attention_heads) for _ in range(config.num_heads)
         )
+        layers = config.feature_layers
+        self.fusion = None if layers is None else _FeatureFusion(config.hidden_size, len(layers))
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features [..., F] (see `target_features`) -> depth 0's input [..., H]."""
+        return features if self.fusion is None else self.fusion(features)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed_weight)  # [B, n] -> [B, n, H]
 
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        """Depth 0 only: hidden [B, n, H], next_tokens [B, n] (x_{t+1}) -> logits [B, n, V']."""
-        _, normed, _ = self.depths[0](hidden, self.embed(next_tokens))
+        """Depth 0 only: hidden [B, n, F], next_tokens [B, n] (x_{t+1}) -> logits [B, n, V']."""
+        _, normed, _ = self.depths[0](self.fuse(hidden), self.embed(next_tokens))
         return self.projection(normed)
 
     def forward_all(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
         """All depths with teacher forcing, for training.
 
-        hidden [B, n, H] is the target's output over tokens [B, n] (the same input ids).
+        hidden [B, n, F] is the target's features over tokens [B, n] (the same input ids).
         Returns logits_i [B, n-1-i, V'] for each depth i < min(K, n-1); row t predicts
         x_{t+2+i}, so rows with t + 2 + i < n have a target inside the sequence.
         """
-        n, logits, state = tokens.shape[1], [], hidden
+        n, logits, state = tokens.shape[1], [], self.fuse(hidden)
         for i, depth in enumerate(self.depths[: max(0, n - 1)]):
             state, normed, _ = depth(state[:, : n - 1 - i], self.embed(tokens[:, 1 + i :]))
             logits.append(self.projection(normed))  # [B, n-1-i, V']
@@ -373,6 +418,12 @@ def shipped_heads_dir() -> Path:
 def build_heads(config: HeadsConfig, target_model: PreTrainedModel) -> Heads:
     """Fresh heads for `target_model`, sharing its LM head (and embedding), on its device
     and in its dtype. The one place that turns `kind` into a class."""
+    layers = target_model.config.get_text_config().num_hidden_layers
+    if config.feature_layers is not None and config.feature_layers[-1] > layers:
+        raise SpecMTPError(
+            f"heads read hidden state {config.feature_layers[-1]}, but the model has "
+            f"{layers} layers (hidden states 0..{layers})"
+        )
     lm_head = _lm_head_weight(target_model)
     heads: Heads
     if config.kind == "parallel":
@@ -381,6 +432,33 @@ def build_heads(config: HeadsConfig, target_model: PreTrainedModel) -> Heads:
         embed = target_model.get_input_embeddings().weight
         heads = SequentialMTP(config, lm_head_weight=lm_head, embed_weight=embed)
     return heads.to(device=lm_head.device, dtype=lm_head.dtype)
+
+
+def target_features(
+    hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...] | None
+) -> torch.Tensor:
+    """What heads read from a forward with `output_hidden_states`: the final (normed)
+    state [..., H], or with `layers` those states side by side [..., len(layers) * H]."""
+    if layers is None:
+        return hidden_states[-1]
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
+
+
+def widen_heads(heads: Heads, layers: tuple[int, ...], target_model: PreTrainedModel) -> Heads:
+    """Sequential heads trained on the final state alone, reading `layers` instead: the
+    same weights and a fresh fusion, which starts as the identity on the last layer (so
+    they draft as before until trained)."""
+    if not isinstance(heads, SequentialMTP) or heads.fusion is not None:
+        raise SpecMTPError("only sequential heads without feature layers can be widened")
+    final = target_model.config.get_text_config().num_hidden_layers
+    if layers[-1] != final:
+        raise SpecMTPError(
+            f"widened heads must read the final hidden state ({final}) last, got {list(layers)}"
+        )
+    wider = build_heads(dataclasses.replace(heads.config, feature_layers=layers), target_model)
+    missing, unexpected = wider.load_state_dict(heads.state_dict(), strict=False)
+    assert not unexpected and all(name.startswith("fusion.") for name in missing)
+    return wider.to(dtype=next(heads.parameters()).dtype)
 
 
 def trunk_sample(model: PreTrainedModel) -> torch.Tensor:

@@ -54,7 +54,9 @@ class SequentialDraftCache:
         self.states: list[torch.Tensor | None] = [None] * depths  # each [B, L_i, H]
 
     def add_hidden(self, hidden: torch.Tensor) -> None:
-        """The target's hidden states [B, m, H] at the next m positions it has verified."""
+        """The target's features [B, m, F] at the next m positions it has verified, kept
+        fused to depth 0's input [B, m, H] (heads reading several layers fuse them once)."""
+        hidden = self.heads.fuse(hidden)
         self.hidden = hidden if self.hidden is None else torch.cat([self.hidden, hidden], 1)
 
     def crop(self, tokens: int) -> None:

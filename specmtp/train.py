@@ -45,6 +45,7 @@ from specmtp.heads import (
     describe_target,
     load_heads,
     save_heads,
+    widen_heads,
 )
 from specmtp.models import DTYPES, LoadedModel, load_model
 from specmtp.mtp_loss import RANKS, decaying_weights, mtp_losses
@@ -95,6 +96,10 @@ class TrainConfig:
     # the text's own tokens are not the target's)
     text: bool = False
     init_from: Path | None = None  # trained heads to continue from (their architecture)
+    # Sequential heads reading these hidden states of the target (EAGLE-3's feature fusion;
+    # heads.target_features), e.g. (3, 15, 30); None: the final state alone. With
+    # init_from heads on the final state alone, they are widened (heads.widen_heads).
+    feature_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -117,6 +122,14 @@ class TrainConfig:
             )
         if self.text and self.answers_from is not None:
             raise SpecMTPError("give --text or --answers-from, not both")
+        if self.feature_layers is not None:
+            if self.kind != "sequential":
+                raise SpecMTPError("--feature-layers needs --kind sequential")
+            layers = list(self.feature_layers)
+            if not layers or layers != sorted(set(layers)) or layers[0] < 0:
+                raise SpecMTPError(
+                    f"--feature-layers must be ascending, distinct and >= 0, got {layers}"
+                )
         if self.dtype not in DTYPES or self.mixed_precision not in ("no", "bf16"):
             raise SpecMTPError(
                 f"dtype must be one of {list(DTYPES)} and mixed-precision 'no' or 'bf16'"
@@ -240,11 +253,18 @@ def _data_cache(config: TrainConfig, target: LoadedModel) -> DistillCache:
                 f"cache {config.answers_from} holds no top-k log-probabilities; "
                 "--objective kl needs them"
             )
-        return rescore_cache(source, target, config.out / "data")
+        return rescore_cache(
+            source, target, config.out / "data", feature_layers=config.feature_layers
+        )
     if config.cache is not None:
         cache = DistillCache.open(config.cache, model=target)
         if not cache.has_hidden:
             raise SpecMTPError(f"cache {config.cache} holds no hidden states; heads need them")
+        if cache.feature_layers != config.feature_layers:
+            raise SpecMTPError(
+                f"cache {config.cache} holds hidden states {_layers(cache.feature_layers)}, "
+                f"this run reads {_layers(config.feature_layers)}"
+            )
         if config.objective == "kl" and not cache.topk:
             raise SpecMTPError(
                 f"cache {config.cache} holds no top-k log-probabilities; --objective kl needs them"
@@ -254,8 +274,9 @@ def _data_cache(config: TrainConfig, target: LoadedModel) -> DistillCache:
         config.sources, limit_per_source=config.limit_per_source, seed=config.seed
     )
     data_config = DistillConfig(
-        **{**asdict(config.data), "max_new_tokens": config.max_new_tokens, "text": config.text}
-    )
+        **{**asdict(config.data), "max_new_tokens": config.max_new_tokens, "text": config.text,
+           "feature_layers": config.feature_layers}
+    )  # fmt: skip
     if config.objective == "kl" and not data_config.topk:
         data_config = replace(data_config, topk=KL_TOPK)
     return build_cache(
@@ -274,6 +295,7 @@ def make_heads_config(config: TrainConfig, target: LoadedModel, cache: DistillCa
         base_model=describe_target(target.model),
         num_layers=config.num_layers,
         draft_vocab=frequent_tokens(cache, config) if config.draft_vocab else None,
+        feature_layers=config.feature_layers,
     )
 
 
@@ -296,7 +318,20 @@ def initial_heads(config: TrainConfig, target: LoadedModel) -> tuple[Heads, Head
             raise SpecMTPError(
                 f"heads in {config.init_from} have {flag} {theirs}, this run asks for {ours}"
             )
-    return heads, found
+    if found.feature_layers == config.feature_layers:
+        return heads, found
+    if found.feature_layers is not None:
+        raise SpecMTPError(
+            f"heads in {config.init_from} read hidden states {_layers(found.feature_layers)}, "
+            f"this run asks for {_layers(config.feature_layers)}"
+        )
+    assert config.feature_layers is not None
+    wider = widen_heads(heads, config.feature_layers, target.model)
+    return wider, wider.config
+
+
+def _layers(layers: tuple[int, ...] | None) -> str:
+    return "the final one alone" if layers is None else ",".join(map(str, layers))
 
 
 def frequent_tokens(cache: DistillCache, config: TrainConfig) -> tuple[int, ...]:
@@ -340,6 +375,8 @@ def run_identity(
         del settings["objective"]
     if not config.text:  # as before text mode existed: old runs resume
         del settings["text"]
+    if config.feature_layers is None:  # likewise before feature layers
+        del settings["feature_layers"]
     identity = {
         "model": model_fingerprint(target),
         "data": cache.manifest["key"],
