@@ -64,6 +64,13 @@ def build_drafter(
     target_vocab = usable_vocab_size(target, target)
     if spec is None or not isinstance(spec, str):
         return spec, target_vocab
+    name, at, gamma = spec.partition("@")
+    if at and (name.startswith("ngram") or name.partition(":")[0].partition("#")[0]
+               in ("mtp", "mtp-tree", "draft", "draft-ar", *SHIPPED_DRAFTS)):  # fmt: skip
+        raise SpecMTPError(
+            f"draft {spec!r}: the @gamma suffix is `specmtp bench --draft` syntax; "
+            f"here give --draft {name} --gamma {gamma}"
+        )
     if spec.startswith("ngram") and "+" in spec:
         return build_lookup_first_drafter(spec, target, dtype=dtype)
     spec, heads_dir = split_heads(spec)

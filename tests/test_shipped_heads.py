@@ -37,6 +37,8 @@ def test_dynamic_tree_specs(default_model: LoadedModel) -> None:
         ("ngram#nodes=5", "applies to mtp-tree drafters"),
         ("mtp-tree#nodes=0", "N >= 1"),
         ("mtp-tree#nodes=many", "N >= 1"),
+        ("mtp@2", "bench --draft` syntax; here give --draft mtp --gamma 2"),
+        ("ngram+mtp@auto", "give --draft ngram\\+mtp --gamma auto"),
     ]:
         with pytest.raises(SpecMTPError, match=message):
             build_drafter(bad, default_model)
