@@ -549,10 +549,10 @@ def _target_outputs(
         # Without top-k only the hidden states are needed: skip the LM head's logits.
         out = model.model(input_ids, attention_mask=attention_mask, output_hidden_states=True,
                           logits_to_keep=0 if config.topk else 1)  # fmt: skip
+        features = target_features(out.hidden_states, config.feature_layers)  # [B, T, F]
         for row, i in enumerate(rows):
             n, found = len(sequences[i]), {}
             if config.store_hidden:
-                features = target_features(out.hidden_states, config.feature_layers)
                 found["hidden"] = features[row, :n].to(torch.float16)  # [n, F]
             if config.topk:
                 logprobs = torch.log_softmax(out.logits[row, :n].float(), dim=-1)  # [n, V]

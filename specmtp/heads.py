@@ -34,7 +34,7 @@ import dataclasses
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,15 +107,10 @@ class HeadsConfig:
             if len(set(ids)) != len(ids):
                 raise SpecMTPError("draft_vocab lists a token id more than once")
             object.__setattr__(self, "draft_vocab", ids)  # a list given in: store hashable
-        if self.feature_layers is not None:
-            layers = tuple(self.feature_layers)
-            if self.kind != "sequential":
-                raise SpecMTPError("feature_layers needs sequential heads")
-            if not layers or not all(isinstance(i, int) and i >= 0 for i in layers):
-                raise SpecMTPError("feature_layers must be a non-empty list of layer indices >= 0")
-            if list(layers) != sorted(set(layers)):
-                raise SpecMTPError(f"feature_layers must be ascending and distinct, got {layers}")
-            object.__setattr__(self, "feature_layers", layers)
+        if self.feature_layers is not None:  # a list given in: store hashable
+            object.__setattr__(
+                self, "feature_layers", check_feature_layers(self.feature_layers, self.kind)
+            )
 
     @property
     def output_size(self) -> int:
@@ -147,6 +142,19 @@ class HeadsConfig:
             return cls(**fields)
         except TypeError as exc:  # a required field is missing
             raise SpecMTPError(f"heads config is incomplete: {exc}") from exc
+
+
+def check_feature_layers(layers: Sequence[int], kind: str) -> tuple[int, ...]:
+    """`layers` as a tuple if sequential heads may read them (see HeadsConfig), else a
+    SpecMTPError naming the flag (train-mtp checks its settings with it before any data)."""
+    layers = tuple(layers)
+    if kind != "sequential":
+        raise SpecMTPError("feature layers (--feature-layers) need sequential heads")
+    if not layers or not all(isinstance(i, int) and i >= 0 for i in layers):
+        raise SpecMTPError(f"feature layers must be layer indices >= 0, at least one; got {layers}")
+    if list(layers) != sorted(set(layers)):
+        raise SpecMTPError(f"feature layers must be ascending and distinct, got {layers}")
+    return layers
 
 
 def describe_target(model: PreTrainedModel) -> str:

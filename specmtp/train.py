@@ -42,6 +42,7 @@ from specmtp.heads import (
     Heads,
     HeadsConfig,
     build_heads,
+    check_feature_layers,
     describe_target,
     load_heads,
     save_heads,
@@ -123,13 +124,7 @@ class TrainConfig:
         if self.text and self.answers_from is not None:
             raise SpecMTPError("give --text or --answers-from, not both")
         if self.feature_layers is not None:
-            if self.kind != "sequential":
-                raise SpecMTPError("--feature-layers needs --kind sequential")
-            layers = list(self.feature_layers)
-            if not layers or layers != sorted(set(layers)) or layers[0] < 0:
-                raise SpecMTPError(
-                    f"--feature-layers must be ascending, distinct and >= 0, got {layers}"
-                )
+            check_feature_layers(self.feature_layers, self.kind)
         if self.dtype not in DTYPES or self.mixed_precision not in ("no", "bf16"):
             raise SpecMTPError(
                 f"dtype must be one of {list(DTYPES)} and mixed-precision 'no' or 'bf16'"

@@ -110,7 +110,7 @@ def test_feature_layers_are_checked() -> None:
     for layers, message in (
         ((2, 1), "ascending"),
         ((1, 1), "ascending"),
-        ((), "non-empty"),
+        ((), "at least one"),
         ((-1, 2), ">= 0"),
     ):
         with pytest.raises(SpecMTPError, match=message):
@@ -159,5 +159,5 @@ def test_training_widens_heads_on_cached_features_of_those_layers(
         train_mtp(replace(wide, out=tmp_path / "x", answers_from=None, cache=first.out / "data"))
     with pytest.raises(SpecMTPError, match="read hidden states 0,1,2"):
         train_mtp(replace(wide, out=tmp_path / "y", init_from=wide.out, feature_layers=(1, 2)))
-    with pytest.raises(SpecMTPError, match="needs --kind sequential"):
+    with pytest.raises(SpecMTPError, match="need sequential heads"):
         replace(wide, kind="parallel")
