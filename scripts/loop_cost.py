@@ -45,8 +45,8 @@ def main() -> None:
     ids = bench._encode(plain.gen, prompts[0])
     measure_kernel_plan(plain.gen.decoder.target, ids, max_rows=5)
     for runner in runners.values():  # as the bench does: T(n) before any timed run
-        if isinstance(runner, bench.SpecRunner) and runner.settings.get("schedule") == "adaptive":
-            runner.gen.decoder.cost_model(ids, runner.settings["gamma"])
+        if isinstance(runner, bench.SpecRunner):
+            runner.prepare(ids, base)
     for _ in range(args.repeats):
         for name, runner in runners.items():
             _, st = runner.run(ids, base)

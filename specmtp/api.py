@@ -337,28 +337,35 @@ class SpecGenerator:
 
 
 AUTO_MAX_GAMMA = 8  # the adaptive schedule's largest γ when no profile gives one
+GUARD_PREFIX = "guard:"  # `guard:N`: a fixed γ behind the never-slower guard
 
 
 def gamma_settings(gamma: str | int, profile: Profile | None = None) -> dict[str, Any]:
     """GenerationConfig settings for a draft-length choice: N (fixed), N/M (fixed, N in
     the lookup rounds of an `ngram+SPEC` drafter and M in its model's), `auto` (adaptive,
-    up to the profile's largest γ), `best` (the profile's fastest fixed γ, or γ pair) or
-    `hf` (Hugging Face's +2 / -1 heuristic, starting at the default γ)."""
+    up to the profile's largest γ), `best` (the profile's fastest fixed γ, or γ pair),
+    `hf` (Hugging Face's +2 / -1 heuristic, starting at the default γ) or `guard:N` /
+    `guard:N/M` (fixed, behind the adaptive schedule's never-slower guard)."""
     text = str(gamma)
-    if text == "auto":
+    guarded = text.startswith(GUARD_PREFIX)
+    if guarded:
+        text = text.removeprefix(GUARD_PREFIX)  # a number or pair must follow
+    elif text == "auto":
         top = profile.max_gamma if profile is not None else AUTO_MAX_GAMMA
         return {"schedule": "adaptive", "gamma": top}
-    if text == "hf":
+    elif text == "hf":
         return {"schedule": "heuristic"}
-    if text == "best":
+    elif text == "best":
         if profile is None:
             raise SpecMTPError("gamma 'best' needs a tuning profile: run `specmtp tune` first")
         best = {"schedule": "fixed", "gamma": profile.best_gamma}
         return best if profile.model_gamma is None else {**best, "model_gamma": profile.model_gamma}
     lookup, slash, model = text.partition("/")
     if not lookup.isdigit() or (slash and not model.isdigit()):
-        raise SpecMTPError(f"gamma must be a number, N/M, auto, best or hf; got {text!r}")
-    settings: dict[str, Any] = {"schedule": "fixed", "gamma": int(lookup)}
+        raise SpecMTPError(
+            f"gamma must be a number, N/M, auto, best, hf or guard:N; got {str(gamma)!r}"
+        )
+    settings: dict[str, Any] = {"schedule": "guarded" if guarded else "fixed", "gamma": int(lookup)}
     if slash:
         settings["model_gamma"] = int(model)
     return settings

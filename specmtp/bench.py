@@ -8,7 +8,8 @@ reported figure are in bench_results.
 A method is named by a spec:
 - `DRAFT[@GAMMA]`: our decoder with a draft (see api.build_drafter); GAMMA is N, `auto`
   (adaptive schedule, from the pair's tuning profile if any), `best` (the profile's fastest
-  fixed γ) or `hf` (Hugging Face's +2/-1 schedule run by our engine); default: --gamma.
+  fixed γ), `hf` (Hugging Face's +2/-1 schedule run by our engine) or `guard:N` (N behind
+  the never-slower guard: plain rounds while N is predicted not to pay); default: --gamma.
 - `hf-assisted:MODEL[@N]`: transformers' own assisted generation with MODEL as assistant,
   N drafts per round; `@default` runs HF's own defaults instead (draft length, schedule and
   the confidence threshold that stops drafting early), as a user who sets nothing gets.
@@ -66,7 +67,7 @@ class BenchConfig:
     dtype: str = "float32"  # a models.DTYPES name, for target and drafts alike
     drafts: tuple[str, ...] = ()  # method specs, see the module docstring
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    default_gamma: str | None = None  # for drafts without @GAMMA: N, auto, best or hf
+    default_gamma: str | None = None  # for drafts without @GAMMA: N, auto, best, hf or guard:N
     temperatures: tuple[float, ...] = ()  # more passes at these temperatures
     limit: int | None = None  # first N prompts of each file; None: all
     per_category: int | None = None  # first N prompts of each category
@@ -120,6 +121,10 @@ class SpecRunner:
         result = self.gen.decoder.generate(ids, replace(config, **self.settings))
         return result.tokens, result.stats
 
+    def prepare(self, ids: list[int], config: GenerationConfig) -> None:
+        """Times what the schedule's cost model needs (T(n)) now, not inside a timed run."""
+        self.gen.decoder.schedule_costs(ids, replace(config, **self.settings))
+
 
 class HFRunner:
     """transformers' generate(): no per-round statistics, only tokens and timings."""
@@ -153,10 +158,10 @@ class HFRunner:
 
 def _schedule_name(settings: dict[str, Any]) -> str:
     schedule = settings.get("schedule", "fixed")
-    if schedule != "fixed" or "gamma" not in settings:
+    if schedule not in ("fixed", "guarded") or "gamma" not in settings:
         return schedule
     model = settings.get("model_gamma")
-    return f"fixed:{settings['gamma']}" + ("" if model is None else f"/{model}")
+    return f"{schedule}:{settings['gamma']}" + ("" if model is None else f"/{model}")
 
 
 def build_runner(
@@ -492,9 +497,8 @@ def run_bench(config: BenchConfig, *, log: Log = log_to_stderr) -> BenchResult:
     if plan is not None:
         log(f"kernel plan (transposed product by rows): {plan.by_rows}; weights {plan.layout}")
     for runner in runners.values():
-        if isinstance(runner, SpecRunner) and runner.settings.get("schedule") == "adaptive":
-            # The adaptive schedule measures T(n) on first use: not inside a timed run.
-            runner.gen.decoder.cost_model(ids[0], runner.settings["gamma"])
+        if isinstance(runner, SpecRunner):
+            runner.prepare(ids[0], config.generation)
     for name, runner in runners.items():
         log(f"warming up {name} ({config.warmup}x)")
         for _ in range(config.warmup):

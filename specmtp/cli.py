@@ -21,7 +21,13 @@ from typing import Any
 import torch
 from transformers.utils import logging as hf_logging
 
-from specmtp.api import SpecGenerator, gamma_settings, load_small_draft, make_config
+from specmtp.api import (
+    GUARD_PREFIX,
+    SpecGenerator,
+    gamma_settings,
+    load_small_draft,
+    make_config,
+)
 from specmtp.bench import BenchConfig, log_to_stderr, run_bench
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.distill import OBJECTIVES, DistillTrainConfig, train_draft
@@ -72,10 +78,14 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _gamma_arg(text: str) -> str:
-    """--gamma: a number, two (N/M) or a schedule name; argparse reports anything else."""
-    if all(part.isdigit() for part in text.split("/", 1)) or text in ("auto", "best", "hf"):
+    """--gamma: a number, two (N/M), either behind `guard:`, or a schedule name; argparse
+    reports anything else."""
+    numbers = text.removeprefix(GUARD_PREFIX)
+    if all(part.isdigit() for part in numbers.split("/", 1)) or text in ("auto", "best", "hf"):
         return text
-    raise argparse.ArgumentTypeError(f"expected a number, N/M, auto, best or hf; got {text!r}")
+    raise argparse.ArgumentTypeError(
+        f"expected a number, N/M, auto, best, hf or guard:N; got {text!r}"
+    )
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -94,7 +104,8 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
         help=f"draft tokens per round: N (default {gen.gamma}), N/M (ngram+SPEC drafters: N "
         "in lookup rounds, M in the model's), auto (adaptive, from the tuning profile if "
         "any; one schedule per arm of an ngram+SPEC drafter), best (the profile's fastest "
-        "fixed γ) or hf (Hugging Face's +2/-1 schedule)",
+        "fixed γ), hf (Hugging Face's +2/-1 schedule) or guard:N, guard:N/M (fixed, but "
+        "plain decoding while N drafts are predicted not to pay, with probes now and then)",
     )
     parser.add_argument(
         "--max-memory",
@@ -182,7 +193,7 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
         default=[],
         metavar="SPEC",
         help="a method to compare with plain decoding (repeatable): DRAFT[@GAMMA] with GAMMA "
-        "N, auto, best or hf; hf-assisted:MODEL[@N]; hf-prompt-lookup[:N][@N]",
+        "N, auto, best, hf or guard:N; hf-assisted:MODEL[@N]; hf-prompt-lookup[:N][@N]",
     )
     _add_generation_flags(bench)
     bench.add_argument("--limit", type=int, help="use only the first N prompts of each file")

@@ -33,7 +33,8 @@ class SamplingConfig:
         return self.temperature == 0
 
 
-SCHEDULES = ("fixed", "heuristic", "adaptive")
+SCHEDULES = ("fixed", "heuristic", "adaptive", "guarded")
+MEASURED_SCHEDULES = ("adaptive", "guarded")  # those that need a cost model (T(n) timed)
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ class GenerationConfig:
     """One generation request: budget, draft length, stops, sampling and seed.
 
     `gamma` is the draft length of a fixed schedule, the starting length of the heuristic
-    one (Hugging Face's +2 / -1), and the largest length the adaptive one may choose.
+    one (Hugging Face's +2 / -1), the largest length the adaptive one may choose, and the
+    length the guarded one drafts whenever it drafts (schedule.py).
     `model_gamma`, for drafters with a lookup arm and a model arm (`ngram+SPEC`), is the
     fixed or starting γ of the model's rounds, `gamma` then being the lookup's (None: the
     same). `max_memory_bytes` bounds the weights plus KV caches of target and drafter (None: no

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors, tensor_bytes
-from specmtp.config import GenerationConfig
+from specmtp.config import MEASURED_SCHEDULES, GenerationConfig
 from specmtp.costmodel import CostModel, measure_verify_costs
 from specmtp.drafters import (
     LOOKUP_ARM,
@@ -29,7 +29,14 @@ from specmtp.drafters import (
 )
 from specmtp.errors import SpecMTPError
 from specmtp.sampling import logits_to_probs
-from specmtp.schedule import AdaptiveGamma, FixedGamma, HeuristicGamma, RoundRecord, Schedule
+from specmtp.schedule import (
+    AdaptiveGamma,
+    FixedGamma,
+    GuardedGamma,
+    HeuristicGamma,
+    RoundRecord,
+    Schedule,
+)
 from specmtp.stats import GenerationStats
 from specmtp.tree import (
     TreeVerdict,
@@ -99,7 +106,7 @@ class SpecDecoder:
         """Yield the tokens committed by each round, with every stop already applied."""
         self._check_request(prompt_ids, config)
         max_positions = self._max_positions(len(prompt_ids), config)
-        cost = self._adaptive_cost(prompt_ids, config)  # before the prefill: it runs the target
+        cost = self.schedule_costs(prompt_ids, config)  # before the prefill: it runs the target
         schedules: dict[str, Schedule] = {}  # one per drafter arm (drafters.drafter_arm)
         start = time.perf_counter()
         device = self.target.device
@@ -158,10 +165,12 @@ class SpecDecoder:
                 hidden = self.target.last_hidden  # [B, n-1, H]
                 self.drafter.observe(Outcome(context, 0, hidden, verified=hidden.shape[1]))
 
-    def _adaptive_cost(
+    def schedule_costs(
         self, prompt_ids: Sequence[int], config: GenerationConfig
     ) -> CostModel | None:
-        if config.schedule != "adaptive" or self.drafter is None:
+        """The cost model a measured schedule (adaptive, guarded) steers by; None for the
+        others. T(n) is timed on first use: a benchmark calls this before its timed runs."""
+        if config.schedule not in MEASURED_SCHEDULES or self.drafter is None:
             return None
         top = max(config.gamma, config.model_gamma or 0)
         return self.cost_model(prompt_ids, top, fresh=config.sampling.greedy)
@@ -180,7 +189,8 @@ class SpecDecoder:
                 cost = replace(cost, draft_fixed_s=0.0, draft_per_token_s=0.0)
             # Sampling: γ must not depend on wall-clock timings, or a seed would not fix
             # the output (γ decides how the generator's numbers are used).
-            return AdaptiveGamma(
+            measured = GuardedGamma if config.schedule == "guarded" else AdaptiveGamma
+            return measured(
                 cost,
                 max_gamma=gamma,
                 prior=self.arm_priors.get(arm, self.prior_alphas),

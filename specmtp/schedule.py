@@ -1,6 +1,6 @@
 """Draft-length schedules: how many tokens to draft in each round.
 
-A schedule is asked for each round's γ and told what the round did. Three kinds:
+A schedule is asked for each round's γ and told what the round did. Four kinds:
 - fixed: the same γ every round.
 - heuristic: Hugging Face's assisted-generation schedule: +2 after a round that accepted
   every draft, -1 (not below 1) otherwise.
@@ -12,6 +12,9 @@ A schedule is asked for each round's γ and told what the round did. Three kinds
   not even with the first position's acceptance at the top of what the sequence's longer
   record allows, it drafts nothing, and probes with γ = 1 now and then (at growing
   intervals) in case the text has become predictable again.
+- guarded: a fixed γ behind the adaptive schedule's guard: γ every round while γ is
+  predicted to pay, else plain decoding with probes at γ. Fixed γ alone has no floor: a
+  drafter that misses makes every round cost a verify pass (and the drafts) for one token.
 """
 
 from __future__ import annotations
@@ -199,15 +202,24 @@ class AdaptiveGamma:
         alphas = self.alphas if alphas is None else alphas
         return expected_tokens(alphas, k) * cost.target_s(1) / round_s
 
+    def choices(self, top: int) -> range:
+        """The draft lengths it may choose (besides none) when at most `top` fit, cheapest
+        first: the fallback's checks and probes use the cheapest."""
+        return range(1, top + 1)
+
     def next_gamma(self, limit: int) -> int:
-        top = max(0, min(self.max_gamma, limit))
-        best = max(range(top + 1), key=lambda k: (self.predicted_speedup(k), -k))
-        if best > 0 and self.predicted_speedup(best) >= self.settings.margin:
+        choices = self.choices(max(0, min(self.max_gamma, limit)))
+        if not choices:
+            return 0
+        margin = self.settings.margin
+        best = max(choices, key=lambda k: (self.predicted_speedup(k), -k))
+        if self.predicted_speedup(best) >= margin:
             return best
-        if top >= 1 and self.predicted_speedup(1, self.optimistic_alphas()) >= self.settings.margin:
-            return 1  # the sequence's record cannot yet rule out that one draft pays
-        if top >= 1 and self.plain_rounds >= self.probe_every:
-            return 1  # a probe: is the text predictable again?
+        cheapest = choices[0]
+        if self.predicted_speedup(cheapest, self.optimistic_alphas()) >= margin:
+            return cheapest  # the sequence's record cannot yet rule out that it pays
+        if self.plain_rounds >= self.probe_every:
+            return cheapest  # a probe: is the text predictable again?
         return 0
 
     def update(self, record: RoundRecord) -> None:
@@ -259,3 +271,12 @@ class AdaptiveGamma:
         else:
             ratio = record.draft_s / self.cost.draft_s(record.drafted)
             self.draft_speed = keep * self.draft_speed + (1 - keep) * ratio
+
+
+class GuardedGamma(AdaptiveGamma):
+    """A fixed γ (`max_gamma`, or the limit when less fits) with AdaptiveGamma's estimates,
+    fallback and probes: it drafts γ tokens whenever γ is predicted to beat plain decoding
+    (or the record cannot yet rule that out), and no other length."""
+
+    def choices(self, top: int) -> range:
+        return range(top, top + 1) if top >= 1 else range(0)

@@ -32,12 +32,13 @@ QUESTIONS = [
 ]
 GROUPS = [f"{SUITE}/writing", f"{SUITE}/math", f"{SUITE}/coding", "random"]
 NEW_TOKENS = 10
-OURS = ["ngram", "ngram@hf", "ngram@auto"]
+OURS = ["ngram", "ngram@hf", "ngram@auto", "ngram@guard:2"]
 SCHEDULES = {
     "ar": "plain",
     "ngram": "fixed:4",
     "ngram@hf": "heuristic",
     "ngram@auto": "adaptive",
+    "ngram@guard:2": "guarded:2",
     "hf-prompt-lookup": "fixed:4",
 }
 PROGRESS = ("loading target ", "preparing ", "kernel plan ", "warming up ")
@@ -68,7 +69,7 @@ def questions(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def greedy(questions: Path) -> tuple[str, str, dict[str, Any]]:
-    """Greedy bench: 3 questions and a random prompt; 3 of our schedules and HF's lookup."""
+    """Greedy bench: 3 questions and a random prompt; 4 of our schedules and HF's lookup."""
     drafts = [flag for spec in [*OURS, "hf-prompt-lookup"] for flag in ("--draft", spec)]
     code, out, err = run_captured(
         "bench", "--prompts", str(questions), "--prompts", "random:1x12", *drafts, *FAST
@@ -289,7 +290,9 @@ def test_bad_prompt_files(
         (["--draft", "hf-prompt-lookup:x"], "bad 'hf-prompt-lookup:x'"),
         (["--draft", "hf-prompt-lookup@auto"], "fixed γ >= 1"),
         (["--draft", "hf-beam"], "unknown hugging face method"),
-        (["--draft", "ngram@zz"], "gamma must be a number, N/M, auto, best or hf"),
+        (["--draft", "ngram@zz"], "gamma must be a number, N/M, auto, best, hf or guard:N"),
+        (["--draft", "ngram@guard:auto"], "gamma must be a number, N/M, auto, best, hf or"),
+        (["--draft", "ngram@guard:0"], "gamma must be >= 1"),
         (["--draft", "ngram:0"], "bad n-gram draft spec"),
         (["--draft", "ngram@3/1"], "a γ pair N/M needs an ngram+SPEC drafter"),
         (["--draft", "ngram+mtp@3/0"], "the model rounds' gamma must be >= 1"),
@@ -311,7 +314,7 @@ def test_bad_gamma_is_an_argument_error(capfd: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--prompts", "random:1x8", "--gamma", "x"])
     assert exit_info.value.code == 2
-    assert "expected a number, N/M, auto, best or hf" in capfd.readouterr().err
+    assert "expected a number, N/M, auto, best, hf or guard:N" in capfd.readouterr().err
 
 
 def test_best_gamma_needs_a_profile(

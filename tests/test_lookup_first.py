@@ -26,7 +26,7 @@ from specmtp.drafters import (
 )
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel
-from specmtp.schedule import AdaptiveGamma, HeuristicGamma, RoundRecord
+from specmtp.schedule import AdaptiveGamma, GuardedGamma, HeuristicGamma, RoundRecord
 
 GREEDY = SamplingConfig()
 
@@ -198,6 +198,26 @@ def test_adaptive_schedules_per_arm_keep_greedy_output() -> None:
     assert {arm for arm, _, _ in drafter.rounds} == {LOOKUP_ARM, MODEL_ARM}
 
 
+def test_guarded_schedules_per_arm_draft_their_own_gamma_or_nothing() -> None:
+    """Each arm has its own guard: the lookup arm drafts its γ or nothing, the model arm
+    its own. (Whether a guard switches an arm off depends on T(n): on the tiny model a
+    verify of 4 tokens costs about one of 1, so even the always-rejected model arm's
+    drafts are not predicted to lose; tests/test_schedule.py checks the switching.)"""
+    config = GenerationConfig(max_new_tokens=64, gamma=2, model_gamma=3, schedule="guarded")
+    drafter, tokens, reference = _recorded_run(config)
+    assert tokens == reference
+    rounds = drafter.rounds[:-2]  # the last rounds may be cut by the token budget
+    asked = {arm: {k for a, k, _ in rounds if a == arm} for arm in (LOOKUP_ARM, MODEL_ARM)}
+    assert asked == {LOOKUP_ARM: {2}, MODEL_ARM: {3}}
+    target, drafter = tiny_model("llama", seed=0), LookupFirstDrafter(SpyDrafter())
+    decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
+    cost = CostModel((0.04, 0.042, 0.044, 0.046))
+    lookup = decoder._schedule(config, LOOKUP_ARM, cost)
+    model = decoder._schedule(config, MODEL_ARM, cost)
+    assert isinstance(lookup, GuardedGamma) and isinstance(model, GuardedGamma)
+    assert (lookup.max_gamma, model.max_gamma) == (2, 3)
+
+
 def test_the_lookup_arm_learns_its_own_draft_cost() -> None:
     target = tiny_model("llama", seed=0)
     drafter = LookupFirstDrafter(SpyDrafter())
@@ -223,7 +243,9 @@ def test_a_gamma_pair_needs_a_drafter_with_arms() -> None:
 def test_gamma_pairs_parse() -> None:
     assert gamma_settings("4/1") == {"schedule": "fixed", "gamma": 4, "model_gamma": 1}
     assert gamma_settings("3") == {"schedule": "fixed", "gamma": 3}
-    for bad in ("4/", "/1", "4/x", "4/1/2"):
+    assert gamma_settings("guard:3") == {"schedule": "guarded", "gamma": 3}
+    assert gamma_settings("guard:4/1") == {"schedule": "guarded", "gamma": 4, "model_gamma": 1}
+    for bad in ("4/", "/1", "4/x", "4/1/2", "guard:", "guard:auto", "guard:guard:2"):
         with pytest.raises(SpecMTPError, match="N/M"):
             gamma_settings(bad)
 

@@ -22,6 +22,7 @@ from specmtp.schedule import (
     AdaptiveGamma,
     AdaptiveSettings,
     FixedGamma,
+    GuardedGamma,
     HeuristicGamma,
     RoundRecord,
 )
@@ -313,6 +314,44 @@ def test_adaptive_never_exceeds_the_limit() -> None:
         eager.update(RoundRecord(k, k, k, k + 1, 0.05 * k, 1.0 + 0.05 * k))
 
 
+# --- guarded: a fixed γ behind the guard ------------------------------------------------
+
+
+def test_guarded_drafts_its_gamma_while_drafts_pay() -> None:
+    """Only γ or nothing: never a shorter draft, even when a shorter one would pay more
+    (first_three: γ = 3 would be best at this draft cost, 6 still pays)."""
+    schedule = GuardedGamma(target_cost(0.05), max_gamma=6)
+    assert drive(schedule, first_three, 30) == [6] * 30
+    assert drive(schedule, all_accepted, 10) == [6] * 10
+    # Fewer than γ fit (the end of the budget): all that fit, and none when none fit.
+    assert [schedule.next_gamma(limit) for limit in range(9)] == [0, 1, 2, 3, 4, 5, 6, 6, 6]
+
+
+def test_guarded_falls_back_and_probes_with_its_gamma() -> None:
+    """A drafter that never hits: plain rounds with probes at γ (not 1), at doubling
+    intervals; when the text turns predictable, a probe succeeds and γ comes back."""
+    settings = AdaptiveSettings(first_probe=4, last_probe=16)
+    schedule = GuardedGamma(target_cost(0.2), max_gamma=3, settings=settings)
+
+    def accept(i: int, k: int) -> int:
+        return k if i >= 60 else 0
+
+    chosen = drive(schedule, accept, 100)
+    first_plain = chosen.index(0)
+    assert first_plain <= 8
+    assert set(chosen) == {0, 3}
+    assert zero_runs(chosen[:60])[:4] == [4, 8, 16, 16]
+    assert chosen[-20:] == [3] * 20  # back to drafting once drafts are accepted
+
+
+def test_guarded_keeps_drafting_a_gamma_that_pays_little() -> None:
+    """Fixed γ = 2 with half of the first drafts accepted: 1.5 tokens a round for a verify
+    10% dearer than a plain step pays, so the guard does not step in."""
+    schedule = GuardedGamma(target_cost(0.05), max_gamma=2)
+    chosen = drive(schedule, lambda i, k: min(k, i % 2), 60)
+    assert chosen == [2] * 60
+
+
 # --- the decode loop with schedules ------------------------------------------------------
 
 
@@ -369,7 +408,7 @@ def make_decoder(target: PreTrainedModel, drafter: Drafter, **kwargs: object) ->
 
 
 @pytest.mark.parametrize("kind", ["self", "unrelated", "perturbed"])
-@pytest.mark.parametrize("schedule", ["fixed", "heuristic", "adaptive"])
+@pytest.mark.parametrize("schedule", ["fixed", "heuristic", "adaptive", "guarded"])
 def test_every_schedule_is_lossless_under_greedy(
     target: PreTrainedModel, reference: list[int], kind: str, schedule: str
 ) -> None:
@@ -400,7 +439,7 @@ def test_adaptive_measures_a_cost_model_on_first_use(
     decoder = make_decoder(target, make_drafter("perturbed", target))
     for schedule in ("fixed", "heuristic"):
         decoder.generate(PROMPT, GenerationConfig(max_new_tokens=8, schedule=schedule))
-    assert measurements == []  # only the adaptive schedule needs costs
+    assert measurements == []  # only the adaptive and guarded schedules need costs
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=4, schedule="adaptive")
     assert decoder.generate(PROMPT, config).tokens == reference
     assert decoder.generate(PROMPT, config).tokens == reference
@@ -412,6 +451,15 @@ def test_adaptive_measures_a_cost_model_on_first_use(
     # A larger γ needs T(n) further out: measured again.
     assert len(decoder.cost_model(PROMPT, 6).verify_s) == 7
     assert measurements == [5, 7]
+
+
+def test_guarded_measures_its_cost_model_too(
+    target: PreTrainedModel, reference: list[int], measurements: list[int]
+) -> None:
+    decoder = make_decoder(target, make_drafter("perturbed", target))
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=3, schedule="guarded")
+    assert decoder.generate(PROMPT, config).tokens == reference
+    assert measurements == [4]  # T(1)..T(γ + 1)
 
 
 def test_adaptive_uses_a_given_cost_model_when_it_covers_gamma(
@@ -534,6 +582,26 @@ def test_adaptive_choices_follow_the_drafter(
     assert result.tokens == reference
     gammas = result.stats.requested_gammas
     assert sum(n for k, n in gammas.items() if k >= 3) >= result.stats.rounds - 3
+    assert result.stats.mean_accepted_tokens > 3
+
+
+def test_guarded_choices_follow_the_drafter(
+    monkeypatch: pytest.MonkeyPatch, target: PreTrainedModel, reference: list[int]
+) -> None:
+    """On the fake clock: an unrelated drafter is mostly switched off, with probes at γ;
+    an always-right one drafts γ in every round that has room for it."""
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=3, schedule="guarded")
+    clock = FakeTime()
+    unrelated = ClockedDrafter(tiny_model("llama", seed=99), clock, DRAFT_S)
+    useless = decode_on_fake_clock(monkeypatch, target, unrelated, clock).generate(PROMPT, config)
+    assert useless.tokens == reference
+    gammas = useless.stats.requested_gammas
+    assert set(gammas) <= {0, 3} and gammas.get(0, 0) > useless.stats.rounds / 2
+    clock = FakeTime()
+    oracle = decode_on_fake_clock(monkeypatch, target, ScriptDrafter(PROMPT + reference), clock)
+    result = oracle.generate(PROMPT, config)
+    assert result.tokens == reference
+    assert result.stats.requested_gammas.get(3, 0) >= result.stats.rounds - 1
     assert result.stats.mean_accepted_tokens > 3
 
 
