@@ -10,8 +10,9 @@ A schedule is asked for each round's γ and told what the round did. Four kinds:
   how the generator's numbers are used): only acceptances and the given costs steer it.
   It includes a never-slower guard: when no γ >= 1 is predicted to beat plain decoding,
   not even with the first position's acceptance at the top of what the sequence's longer
-  record allows, it drafts nothing, and probes with γ = 1 now and then (at growing
-  intervals) in case the text has become predictable again.
+  record allows, it drafts nothing, and probes with γ = 1 now and then in case the text
+  has become predictable again; the interval doubles after each probe that leaves
+  drafting predicted not to pay, accepted drafts or not.
 - guarded: a fixed γ behind the adaptive schedule's guard: γ every round while γ is
   predicted to pay, else plain decoding with probes at γ. Fixed γ alone has no floor: a
   drafter that misses makes every round cost a verify pass (and the drafts) for one token.
@@ -211,15 +212,22 @@ class AdaptiveGamma:
         choices = self.choices(max(0, min(self.max_gamma, limit)))
         if not choices:
             return 0
+        if k := self.paying_gamma(choices):
+            return k
+        if self.plain_rounds >= self.probe_every:
+            return choices[0]  # a probe: is the text predictable again?
+        return 0
+
+    def paying_gamma(self, choices: range) -> int:
+        """The choice predicted to draft fastest, if it beats plain decoding by the margin;
+        else the cheapest, if the sequence's record cannot yet rule out that it does; else
+        0 (fall back to plain decoding)."""
         margin = self.settings.margin
         best = max(choices, key=lambda k: (self.predicted_speedup(k), -k))
         if self.predicted_speedup(best) >= margin:
             return best
-        cheapest = choices[0]
-        if self.predicted_speedup(cheapest, self.optimistic_alphas()) >= margin:
-            return cheapest  # the sequence's record cannot yet rule out that it pays
-        if self.plain_rounds >= self.probe_every:
-            return cheapest  # a probe: is the text predictable again?
+        if self.predicted_speedup(choices[0], self.optimistic_alphas()) >= margin:
+            return choices[0]
         return 0
 
     def update(self, record: RoundRecord) -> None:
@@ -229,15 +237,19 @@ class AdaptiveGamma:
         if record.requested == 0:
             self.plain_rounds += 1
             return
-        probe_failed = self.plain_rounds > 0 and record.accepted == 0
-        if self.plain_rounds > 0:  # a probe: back off further if it failed
-            self.probe_every = (
-                min(2 * self.probe_every, self.settings.last_probe)
-                if probe_failed
-                else self.settings.first_probe
-            )
+        probe = self.plain_rounds > 0
         self.plain_rounds = 0
         self._update_acceptance(record)
+        if probe:  # back off further unless drafting pays again
+            # A probe whose drafts were accepted can still fail: a drafter that is always
+            # right but costs a target step per draft never pays, and probing it every few
+            # rounds would cost more than the guard saves.
+            pays = self.paying_gamma(self.choices(self.max_gamma)) > 0
+            self.probe_every = (
+                self.settings.first_probe
+                if pays
+                else min(2 * self.probe_every, self.settings.last_probe)
+            )
 
     def _update_acceptance(self, record: RoundRecord) -> None:
         decay = self.settings.decay

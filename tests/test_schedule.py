@@ -220,6 +220,17 @@ def test_adaptive_falls_back_to_plain_decoding_and_probes_at_doubling_intervals(
     assert schedule.next_gamma(0) == 0
 
 
+def test_adaptive_backs_off_after_accepted_probes_that_do_not_pay() -> None:
+    """Every draft accepted, but each costs as much as a target step (the target drafting
+    for itself): drafting never pays, so an accepted probe counts as failed and the plain
+    runs between probes double, rather than going back to 4 after every probe."""
+    settings = AdaptiveSettings(first_probe=4, last_probe=16)
+    schedule = AdaptiveGamma(target_cost(1.0), max_gamma=4, settings=settings)
+    chosen = drive(schedule, all_accepted, 80)
+    assert set(chosen[chosen.index(0) :]) == {0, 1}
+    assert zero_runs(chosen)[:5] == [4, 8, 16, 16, 16]
+
+
 def test_adaptive_keeps_drafting_when_a_run_of_misses_is_noise() -> None:
     """A drafter right 30% of the time at the first position, where 21% breaks even: six
     misses at the start of the sequence are chance. Judged on ~20 recent rounds alone, the
@@ -341,7 +352,9 @@ def test_guarded_falls_back_and_probes_with_its_gamma() -> None:
     assert first_plain <= 8
     assert set(chosen) == {0, 3}
     assert zero_runs(chosen[:60])[:4] == [4, 8, 16, 16]
-    assert chosen[-20:] == [3] * 20  # back to drafting once drafts are accepted
+    # Back to drafting once drafts are accepted: at this draft cost (D(3) = 0.6 T(1)) the
+    # evidence of two accepted probes outweighs the misses before them, not of one.
+    assert zero_runs(chosen[60:]) and chosen[-15:] == [3] * 15
 
 
 def test_guarded_keeps_drafting_a_gamma_that_pays_little() -> None:
