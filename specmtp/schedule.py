@@ -12,7 +12,8 @@ A schedule is asked for each round's γ and told what the round did. Four kinds:
   not even with the first position's acceptance at the top of what the sequence's longer
   record allows, it drafts nothing, and probes with γ = 1 now and then in case the text
   has become predictable again; the interval doubles after each probe that leaves
-  drafting predicted not to pay, accepted drafts or not.
+  drafting predicted not to pay, accepted drafts or not, and there are no probes when not
+  even drafts that are all accepted would pay.
 - guarded: a fixed γ behind the adaptive schedule's guard: γ every round while γ is
   predicted to pay, else plain decoding with probes at γ. Fixed γ alone has no floor: a
   drafter that misses makes every round cost a verify pass (and the drafts) for one token.
@@ -214,9 +215,17 @@ class AdaptiveGamma:
             return 0
         if k := self.paying_gamma(choices):
             return k
-        if self.plain_rounds >= self.probe_every:
+        if self.plain_rounds >= self.probe_every and self.could_pay(choices):
             return choices[0]  # a probe: is the text predictable again?
         return 0
+
+    def could_pay(self, choices: range) -> bool:
+        """Whether some choice would beat plain decoding if every draft were accepted. If
+        none would (a drafter that costs about a target step per draft), no text makes
+        drafting pay, and a probe only costs: the drafter catches up on the plain rounds'
+        tokens and drafts for nothing."""
+        margin = self.settings.margin
+        return any(self.predicted_speedup(k, [1.0] * k) >= margin for k in choices)
 
     def paying_gamma(self, choices: range) -> int:
         """The choice predicted to draft fastest, if it beats plain decoding by the margin;

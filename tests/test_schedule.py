@@ -220,15 +220,38 @@ def test_adaptive_falls_back_to_plain_decoding_and_probes_at_doubling_intervals(
     assert schedule.next_gamma(0) == 0
 
 
-def test_adaptive_backs_off_after_accepted_probes_that_do_not_pay() -> None:
+def test_adaptive_does_not_probe_a_drafter_that_cannot_pay() -> None:
     """Every draft accepted, but each costs as much as a target step (the target drafting
-    for itself): drafting never pays, so an accepted probe counts as failed and the plain
-    runs between probes double, rather than going back to 4 after every probe."""
-    settings = AdaptiveSettings(first_probe=4, last_probe=16)
-    schedule = AdaptiveGamma(target_cost(1.0), max_gamma=4, settings=settings)
+    for itself): no text makes drafting pay, so once it falls back it never probes."""
+    schedule = AdaptiveGamma(target_cost(1.0), max_gamma=4)
     chosen = drive(schedule, all_accepted, 80)
-    assert set(chosen[chosen.index(0) :]) == {0, 1}
-    assert zero_runs(chosen)[:5] == [4, 8, 16, 16, 16]
+    assert 0 in chosen[:3] and set(chosen[chosen.index(0) :]) == {0}
+    assert not schedule.could_pay(schedule.choices(4))
+    cheap = AdaptiveGamma(target_cost(0.2), max_gamma=4)
+    assert cheap.could_pay(cheap.choices(4))  # 0.2 of a step per draft pays when right
+
+
+def test_adaptive_backs_off_after_an_accepted_probe_that_does_not_pay() -> None:
+    """After a long run of misses one accepted probe is not enough evidence that drafting
+    pays: the interval still doubles (it went back to the first one after any accepted
+    probe, so a drafter right at every third probe was probed every 4 rounds)."""
+    settings = AdaptiveSettings(first_probe=4, last_probe=16)
+    schedule = AdaptiveGamma(target_cost(0.3), max_gamma=1, settings=settings)
+    chosen = drive(schedule, none_accepted, 40)
+    assert zero_runs(chosen)[:2] == [4, 8] and schedule.probe_every == 16
+    while schedule.next_gamma(1) == 0:
+        schedule.update(RoundRecord(0, 0, 0, 1, 0.0, 1.0))
+    schedule.update(RoundRecord(1, 1, 1, 2, 0.3, 1.05))  # the probe: accepted
+    assert schedule.paying_gamma(schedule.choices(1)) == 0
+    assert schedule.probe_every == 16
+    plain = 0
+    while schedule.next_gamma(1) == 0:
+        schedule.update(RoundRecord(0, 0, 0, 1, 0.0, 1.0))
+        plain += 1
+    assert plain == 16
+    # A second accepted probe tips the estimate: drafting pays again, probes reset.
+    schedule.update(RoundRecord(1, 1, 1, 2, 0.3, 1.05))
+    assert schedule.next_gamma(1) == 1 and schedule.probe_every == 4
 
 
 def test_adaptive_keeps_drafting_when_a_run_of_misses_is_noise() -> None:
