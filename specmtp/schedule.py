@@ -131,6 +131,7 @@ class AdaptiveGamma:
         # (attention over a long prompt), which one speed factor cannot follow.
         self.seen_verify_s: dict[int, float] = {}
         self.plain_rounds = 0
+        self.timed_drafts = 0  # drafting rounds seen by _update_speeds
         self.probe_every = settings.first_probe
         self.long_record = [0.0, 0.0]  # first position: accepted, reached (long_decay)
 
@@ -284,6 +285,13 @@ class AdaptiveGamma:
         seen = self.seen_verify_s.get(record.verified, record.verify_s)
         self.seen_verify_s[record.verified] = keep * seen + (1 - keep) * record.verify_s
         if not record.drafted:
+            return
+        # A draft model's first round of a sequence reads the prompt, and its first after
+        # plain rounds catches up on their tokens: neither times what a draft costs while
+        # drafting, and either could price drafting out (then nothing would be probed).
+        catching_up = self.plain_rounds > 0 or not self.timed_drafts
+        self.timed_drafts += 1
+        if catching_up:
             return
         if self.learn_draft:
             per_token = record.draft_s / record.drafted

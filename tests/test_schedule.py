@@ -337,6 +337,29 @@ def test_adaptive_learns_the_draft_cost_when_the_model_has_none() -> None:
     assert max(dear_chosen[10:]) <= 4 and min(free_chosen[10:]) >= 3
 
 
+def test_adaptive_does_not_learn_draft_costs_from_catch_up_rounds() -> None:
+    """A draft model's first round reads the prompt, its first after plain rounds catches
+    up on them: 30x a draft's time here. Learned from those, the drafter would look too
+    dear to probe ever again; its cost is learned from the other rounds only."""
+    schedule = AdaptiveGamma(target_cost(), max_gamma=4)
+    per_token = 0.05
+
+    def timed(k: int, accepted: int, catch_up: float = 0.0) -> RoundRecord:
+        return RoundRecord(k, k, accepted, k + 1, per_token * k + catch_up, 1.0 + 0.05 * k)
+
+    schedule.update(timed(4, 4, catch_up=1.5))  # the first round: the prompt
+    assert schedule.current_cost().draft_per_token_s == 0.0
+    for _ in range(5):
+        schedule.update(timed(4, 4))
+    assert schedule.current_cost().draft_per_token_s == pytest.approx(per_token)
+    for _ in range(3):
+        schedule.update(RoundRecord(0, 0, 0, 1, 0.0, 1.0))
+    schedule.update(timed(4, 0, catch_up=1.5))  # after plain rounds
+    assert schedule.current_cost().draft_per_token_s == pytest.approx(per_token)
+    schedule.update(timed(4, 4, catch_up=1.5))  # not after plain rounds: a real cost
+    assert schedule.current_cost().draft_per_token_s > per_token
+
+
 def test_adaptive_never_exceeds_the_limit() -> None:
     eager = AdaptiveGamma(target_cost(0.05), max_gamma=6)
     drive(eager, all_accepted, 30)
