@@ -94,6 +94,11 @@ class SpecDecoder:
         self.prior_alphas = tuple(prior_alphas)
         # Per drafter arm (a tuning profile's arm_alphas); other arms start from prior_alphas
         self.arm_priors = {arm: tuple(a) for arm, a in (arm_priors or {}).items()}
+        # Per drafter arm: seconds per draft token as greedy runs' schedules learned them
+        # (no cost model gave them). The next sequence starts from it: a drafter too dear
+        # to pay is then not tried again on every sequence (its first round also reads the
+        # prompt: a whole extra prefill for a draft model).
+        self.learned_draft_s: dict[str, float] = {}
 
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> GenerationResult:
         stats = GenerationStats(gamma=max(config.gamma, config.model_gamma or 0))
@@ -131,6 +136,8 @@ class SpecDecoder:
             schedule.update(
                 RoundRecord(k, proposal.depth, accepted, outcome.verified, draft_s, verify_s)
             )
+            if isinstance(schedule, AdaptiveGamma) and schedule.learn_draft:
+                self.learned_draft_s[arm] = schedule.draft_per_token_s
             if self.drafter is not None:
                 self.drafter.observe(outcome)
             new = outcome.context[0, context.shape[1] :].tolist()
@@ -190,12 +197,15 @@ class SpecDecoder:
             # Sampling: γ must not depend on wall-clock timings, or a seed would not fix
             # the output (γ decides how the generator's numbers are used).
             measured = GuardedGamma if config.schedule == "guarded" else AdaptiveGamma
-            return measured(
+            schedule = measured(
                 cost,
                 max_gamma=gamma,
                 prior=self.arm_priors.get(arm, self.prior_alphas),
                 timing_feedback=config.sampling.greedy,
             )
+            if schedule.learn_draft and config.sampling.greedy:
+                schedule.draft_per_token_s = self.learned_draft_s.get(arm, 0.0)
+            return schedule
         return FixedGamma(gamma)
 
     def cost_model(self, prompt_ids: Sequence[int], gamma: int, *, fresh: bool = True) -> CostModel:

@@ -5,6 +5,7 @@ seeded sampling, and the memory budget."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -642,6 +643,27 @@ def test_adaptive_choices_follow_the_drafter(
     gammas = result.stats.requested_gammas
     assert sum(n for k, n in gammas.items() if k >= 3) >= result.stats.rounds - 3
     assert result.stats.mean_accepted_tokens > 3
+
+
+def test_a_drafter_too_dear_to_pay_is_not_retried_on_the_next_sequence(
+    monkeypatch: pytest.MonkeyPatch, target: PreTrainedModel, reference: list[int]
+) -> None:
+    """The target drafting for itself at a target step per draft: always accepted, never
+    faster. The first sequence learns that (its first round reads the prompt and is not
+    timed, so it takes two drafting rounds); the next starts from it and never drafts."""
+    clock = FakeTime()
+    dear = ClockedDrafter(target, clock, VERIFY_S)
+    decoder = decode_on_fake_clock(monkeypatch, target, dear, clock)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=3, schedule="guarded")
+    first = decoder.generate(PROMPT, config)
+    assert first.tokens == reference
+    assert first.stats.requested_gammas.get(3) == 2
+    assert list(decoder.learned_draft_s.values()) == [pytest.approx(VERIFY_S)]
+    second = decoder.generate(PROMPT, config)
+    assert second.tokens == reference and set(second.stats.requested_gammas) == {0}
+    # Sampling starts from no learned timing: a seed must fix the output in any process.
+    sampled = replace(config, sampling=SamplingConfig(temperature=0.8))
+    assert decoder._schedule(sampled, "", CostModel((VERIFY_S,) * 4)).current_cost().draft_s(1) == 0
 
 
 def test_guarded_choices_follow_the_drafter(
