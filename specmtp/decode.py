@@ -95,9 +95,10 @@ class SpecDecoder:
         # Per drafter arm (a tuning profile's arm_alphas); other arms start from prior_alphas
         self.arm_priors = {arm: tuple(a) for arm, a in (arm_priors or {}).items()}
         # Per drafter arm: seconds per draft token as greedy runs' schedules learned them
-        # (no cost model gave them). The next sequence starts from it: a drafter too dear
-        # to pay is then not tried again on every sequence (its first round also reads the
-        # prompt: a whole extra prefill for a draft model).
+        # (no cost model gave them), at the machine's speed when T(n) was timed. The next
+        # sequence starts from it: a drafter too dear to pay is then not tried again on
+        # every sequence (its first round also reads the prompt: a whole extra prefill for
+        # a draft model).
         self.learned_draft_s: dict[str, float] = {}
 
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> GenerationResult:
@@ -137,7 +138,7 @@ class SpecDecoder:
                 RoundRecord(k, proposal.depth, accepted, outcome.verified, draft_s, verify_s)
             )
             if isinstance(schedule, AdaptiveGamma) and schedule.learn_draft:
-                self.learned_draft_s[arm] = schedule.draft_per_token_s
+                self.learned_draft_s[arm] = schedule.unit_draft_s()
             if self.drafter is not None:
                 self.drafter.observe(outcome)
             new = outcome.context[0, context.shape[1] :].tolist()

@@ -121,15 +121,20 @@ class AdaptiveGamma:
         # Proposal lengths: asked for position i with i - 1 proposed, and i proposed.
         self.offered = [0.0] * max_gamma
         self.proposed = [0.0] * max_gamma
-        self.target_speed = 1.0  # measured / modelled seconds
+        # Measured / modelled seconds: the machine's speed now, against the speed at which
+        # the cost model was timed (another process on the machine moves it).
+        self.target_speed = 1.0
         self.draft_speed = 1.0
         # Without measured draft costs (no profile), learn seconds per drafted token here.
         self.learn_draft = cost.draft_s(1) == 0
         self.draft_per_token_s = 0.0
+        self.draft_timed_at = 1.0  # target_speed when draft_per_token_s was last timed
         self.verified: dict[int, int] = {}  # depth drafted -> tokens verified (trees: more)
         # Verify seconds seen per size n: T(n)'s shape changes with the context length
-        # (attention over a long prompt), which one speed factor cannot follow.
+        # (attention over a long prompt), which one speed factor cannot follow. With the
+        # target_speed each was last timed at: a size not timed lately follows the machine.
         self.seen_verify_s: dict[int, float] = {}
+        self.seen_at: dict[int, float] = {}
         self.plain_rounds = 0
         self.timed_drafts = 0  # drafting rounds seen by _update_speeds
         self.probe_every = settings.first_probe
@@ -169,16 +174,33 @@ class AdaptiveGamma:
         """The cost model at this machine's current speed, and at this sequence's context:
         T(n) as seen in this sequence where it was seen, else modelled times the speed, never
         lower for more tokens."""
-        cost = self.cost.scaled(target=self.target_speed, draft=self.draft_speed)
+        speed = self.target_speed
+        cost = self.cost.scaled(target=speed, draft=self.draft_speed)
         top = max(len(cost.verify_s), *self.seen_verify_s, 0)
-        times = [self.seen_verify_s.get(n) or cost.target_s(n) for n in range(1, top + 1)]
+        times = [self.seen_s(n) or cost.target_s(n) for n in range(1, top + 1)]
         # Verifying more tokens never costs less than fewer. Where T(n) is flat (bfloat16),
         # noise can time T(2) below T(1) (or a seen T(2) below a modelled T(1)), and a
         # one-token draft would look free forever to a drafter that never hits.
         cost = replace(cost, verify_s=tuple(accumulate(times, max)))
         if self.learn_draft:
-            cost = replace(cost, draft_per_token_s=self.draft_per_token_s)
+            per_token = self.draft_per_token_s * speed / self.draft_timed_at
+            cost = replace(cost, draft_per_token_s=per_token)
         return cost
+
+    def seen_s(self, n: int) -> float | None:
+        """T(n) as this sequence timed it, moved by the machine's speed since then: a size
+        timed while another process was running must not stay that dear (or cheap) after
+        it stops. Left stale, plain rounds timed on a busy machine made T(1) dearer than the
+        drafts timed later on a quiet one, and a drafter as dear as a target step (the
+        target drafting for itself) was predicted to pay."""
+        if n not in self.seen_verify_s:
+            return None
+        return self.seen_verify_s[n] * self.target_speed / self.seen_at[n]
+
+    def unit_draft_s(self) -> float:
+        """The learned seconds per drafted token at the cost model's speed: what the next
+        sequence's schedule (target_speed 1) starts from."""
+        return self.draft_per_token_s / self.draft_timed_at
 
     def proposal_lengths(self, k: int) -> list[float]:
         """P(the drafter proposes exactly l tokens when asked for k), l = 0..k. A model
@@ -280,10 +302,15 @@ class AdaptiveGamma:
 
     def _update_speeds(self, record: RoundRecord) -> None:
         keep = self.settings.cost_decay
-        modelled = self.cost.target_s(record.verified)
+        n = record.verified
+        # The old values at the machine's speed before this round: the round's own timings
+        # already carry any change since, so they are moved by the earlier changes only.
+        seen, draft = self.seen_s(n), self.current_cost().draft_per_token_s
+        modelled = self.cost.target_s(n)
         self.target_speed = keep * self.target_speed + (1 - keep) * record.verify_s / modelled
-        seen = self.seen_verify_s.get(record.verified, record.verify_s)
-        self.seen_verify_s[record.verified] = keep * seen + (1 - keep) * record.verify_s
+        seen = seen or record.verify_s  # the first timing of a size sets it
+        self.seen_verify_s[n] = keep * seen + (1 - keep) * record.verify_s
+        self.seen_at[n] = self.target_speed
         if not record.drafted:
             return
         # A draft model's first round of a sequence reads the prompt, and its first after
@@ -295,8 +322,9 @@ class AdaptiveGamma:
             return
         if self.learn_draft:
             per_token = record.draft_s / record.drafted
-            old = self.draft_per_token_s or per_token  # the first observation sets it
-            self.draft_per_token_s = keep * old + (1 - keep) * per_token
+            draft = draft or per_token  # the first timing sets it
+            self.draft_per_token_s = keep * draft + (1 - keep) * per_token
+            self.draft_timed_at = self.target_speed
         else:
             ratio = record.draft_s / self.cost.draft_s(record.drafted)
             self.draft_speed = keep * self.draft_speed + (1 - keep) * ratio

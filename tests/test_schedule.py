@@ -338,6 +338,44 @@ def test_adaptive_learns_the_draft_cost_when_the_model_has_none() -> None:
     assert max(dear_chosen[10:]) <= 4 and min(free_chosen[10:]) >= 3
 
 
+def self_draft_timings(schedule: AdaptiveGamma, speed: float, rounds: int) -> None:
+    """Drafting rounds of the target drafting for itself (γ = 2, always accepted, a draft
+    token costing a target step) on a machine `speed` times slower than the model's."""
+    for _ in range(rounds):
+        schedule.update(RoundRecord(2, 2, 2, 3, 2 * speed, schedule.cost.target_s(3) * speed))
+
+
+def test_adaptive_moves_a_learned_draft_cost_with_the_machine() -> None:
+    """The drafter's cost timed on a quiet machine, then plain rounds while another process
+    makes every forward 1.5x slower: the drafter is slower too, so drafting still cannot
+    pay (kept at its quiet timing, it looked 1.5x cheaper than a target step)."""
+    schedule = AdaptiveGamma(CostModel(tuple(1.0 + 0.2 * n for n in range(8))), max_gamma=2)
+    self_draft_timings(schedule, 1.0, 4)  # the first is the prompt's catch-up: untimed
+    assert not schedule.could_pay(schedule.choices(2))
+    for _ in range(40):
+        schedule.update(RoundRecord(0, 0, 0, 1, 0.0, 1.5))
+    cost = schedule.current_cost()
+    assert cost.draft_per_token_s == pytest.approx(cost.target_s(1), rel=0.05)
+    assert not schedule.could_pay(schedule.choices(2))
+    # The next sequence starts from the cost at the model's speed, not at the busy one.
+    assert schedule.unit_draft_s() == pytest.approx(1.0)
+
+
+def test_adaptive_moves_verify_times_not_timed_lately_with_the_machine() -> None:
+    """T(1) timed in plain rounds on a busy machine (2x), then drafting rounds once it is
+    quiet again: T(1) follows the machine, and a draft as dear as a target step is not
+    predicted to pay (kept at its busy timing, T(1) made drafting look 1.5x faster)."""
+    schedule = AdaptiveGamma(CostModel(tuple(1.0 + 0.2 * n for n in range(8))), max_gamma=2)
+    self_draft_timings(schedule, 1.0, 4)
+    for _ in range(40):
+        schedule.update(RoundRecord(0, 0, 0, 1, 0.0, 2.0))
+    self_draft_timings(schedule, 1.0, 12)
+    cost = schedule.current_cost()
+    assert cost.target_s(1) == pytest.approx(cost.draft_per_token_s, rel=0.05)
+    assert schedule.predicted_speedup(2, [1.0, 1.0]) < 0.95  # 3 / (2 + 1.4) in truth
+    assert not schedule.could_pay(schedule.choices(2))
+
+
 def test_adaptive_does_not_learn_draft_costs_from_catch_up_rounds() -> None:
     """A draft model's first round reads the prompt, its first after plain rounds catches
     up on them: 30x a draft's time here. Learned from those, the drafter would look too
