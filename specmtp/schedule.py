@@ -183,8 +183,7 @@ class AdaptiveGamma:
         # one-token draft would look free forever to a drafter that never hits.
         cost = replace(cost, verify_s=tuple(accumulate(times, max)))
         if self.learn_draft:
-            per_token = self.draft_per_token_s * speed / self.draft_timed_at
-            cost = replace(cost, draft_per_token_s=per_token)
+            cost = replace(cost, draft_per_token_s=speed * self.unit_draft_s())
         return cost
 
     def seen_s(self, n: int) -> float | None:
@@ -305,7 +304,7 @@ class AdaptiveGamma:
         n = record.verified
         # The old values at the machine's speed before this round: the round's own timings
         # already carry any change since, so they are moved by the earlier changes only.
-        seen, draft = self.seen_s(n), self.current_cost().draft_per_token_s
+        seen, draft = self.seen_s(n), self.target_speed * self.unit_draft_s()
         modelled = self.cost.target_s(n)
         self.target_speed = keep * self.target_speed + (1 - keep) * record.verify_s / modelled
         seen = seen or record.verify_s  # the first timing of a size sets it
