@@ -126,9 +126,9 @@ class AdaptiveGamma:
         self.target_speed = 1.0
         self.draft_speed = 1.0
         # Without measured draft costs (no profile), learn seconds per drafted token here.
+        # (At the cost model's speed: seconds per token when target_speed is 1.)
         self.learn_draft = cost.draft_s(1) == 0
         self.draft_per_token_s = 0.0
-        self.draft_timed_at = 1.0  # target_speed when draft_per_token_s was last timed
         self.verified: dict[int, int] = {}  # depth drafted -> tokens verified (trees: more)
         # Verify seconds seen per size n: T(n)'s shape changes with the context length
         # (attention over a long prompt), which one speed factor cannot follow. With the
@@ -198,8 +198,8 @@ class AdaptiveGamma:
 
     def unit_draft_s(self) -> float:
         """The learned seconds per drafted token at the cost model's speed: what the next
-        sequence's schedule (target_speed 1) starts from."""
-        return self.draft_per_token_s / self.draft_timed_at
+        sequence's schedule starts from."""
+        return self.draft_per_token_s
 
     def proposal_lengths(self, k: int) -> list[float]:
         """P(the drafter proposes exactly l tokens when asked for k), l = 0..k. A model
@@ -302,11 +302,11 @@ class AdaptiveGamma:
     def _update_speeds(self, record: RoundRecord) -> None:
         keep = self.settings.cost_decay
         n = record.verified
-        # The old values at the machine's speed before this round: the round's own timings
-        # already carry any change since, so they are moved by the earlier changes only.
-        seen, draft = self.seen_s(n), self.target_speed * self.unit_draft_s()
-        modelled = self.cost.target_s(n)
-        self.target_speed = keep * self.target_speed + (1 - keep) * record.verify_s / modelled
+        # The old value at the machine's speed before this round: the round's own timing
+        # already carries any change since, so it is moved by the earlier changes only.
+        seen = self.seen_s(n)
+        round_speed = record.verify_s / self.cost.target_s(n)
+        self.target_speed = keep * self.target_speed + (1 - keep) * round_speed
         seen = seen or record.verify_s  # the first timing of a size sets it
         self.seen_verify_s[n] = keep * seen + (1 - keep) * record.verify_s
         self.seen_at[n] = self.target_speed
@@ -320,10 +320,13 @@ class AdaptiveGamma:
         if catching_up:
             return
         if self.learn_draft:
-            per_token = record.draft_s / record.drafted
-            draft = draft or per_token  # the first timing sets it
-            self.draft_per_token_s = keep * draft + (1 - keep) * per_token
-            self.draft_timed_at = self.target_speed
+            # Taken to the cost model's speed by this round's own verify pass: the speed
+            # factor lags a change in the machine's load by about ten rounds, and a draft
+            # timed inside that lag was stored too cheap (or too dear) for good, since
+            # the next sequence starts from it.
+            per_token = record.draft_s / record.drafted / round_speed
+            unit = self.draft_per_token_s or per_token  # the first timing sets it
+            self.draft_per_token_s = keep * unit + (1 - keep) * per_token
         else:
             ratio = record.draft_s / self.cost.draft_s(record.drafted)
             self.draft_speed = keep * self.draft_speed + (1 - keep) * ratio
