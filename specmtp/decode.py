@@ -100,6 +100,12 @@ class SpecDecoder:
         # every sequence (its first round also reads the prompt: a whole extra prefill for
         # a draft model).
         self.learned_draft_s: dict[str, float] = {}
+        # The machine's speed against the T(n) timed in this process (measured over
+        # modelled seconds), as the last greedy sequence's schedule left it. The next
+        # starts from it: started from 1 while another process slowed every forward, a
+        # sequence's first rounds stored T(1) dear and the drafts cheap (the speed factor
+        # takes about ten rounds to catch up), and the target drafting for itself drafted.
+        self.machine_speed = 1.0
 
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> GenerationResult:
         stats = GenerationStats(gamma=max(config.gamma, config.model_gamma or 0))
@@ -137,8 +143,10 @@ class SpecDecoder:
             schedule.update(
                 RoundRecord(k, proposal.depth, accepted, outcome.verified, draft_s, verify_s)
             )
-            if isinstance(schedule, AdaptiveGamma) and schedule.learn_draft:
-                self.learned_draft_s[arm] = schedule.unit_draft_s()
+            if isinstance(schedule, AdaptiveGamma) and schedule.timing_feedback:
+                self.machine_speed = schedule.target_speed
+                if schedule.learn_draft:
+                    self.learned_draft_s[arm] = schedule.unit_draft_s()
             if self.drafter is not None:
                 self.drafter.observe(outcome)
             new = outcome.context[0, context.shape[1] :].tolist()
@@ -204,8 +212,10 @@ class SpecDecoder:
                 prior=self.arm_priors.get(arm, self.prior_alphas),
                 timing_feedback=config.sampling.greedy,
             )
-            if schedule.learn_draft and config.sampling.greedy:
-                schedule.draft_per_token_s = self.learned_draft_s.get(arm, 0.0)
+            if config.sampling.greedy:
+                schedule.target_speed = self.machine_speed
+                if schedule.learn_draft:
+                    schedule.draft_per_token_s = self.learned_draft_s.get(arm, 0.0)
             return schedule
         return FixedGamma(gamma)
 
@@ -227,6 +237,12 @@ class SpecDecoder:
             largest = max(1, min(gamma + 1, self.context_length - len(ids) + 1))
             costs = measure_verify_costs(self.target, ids, max_tokens=largest, repeats=3)
             self._measured = measured = CostModel(costs)
+            # Timed now, at the machine's current speed: what was learned against the
+            # earlier timings moves to the new ones.
+            self.learned_draft_s = {
+                arm: s / self.machine_speed for arm, s in self.learned_draft_s.items()
+            }
+            self.machine_speed = 1.0
         if given is None:
             return measured
         return replace(given, verify_s=measured.verify_s)

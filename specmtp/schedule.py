@@ -306,15 +306,6 @@ class AdaptiveGamma:
         # already carries any change since, so it is moved by the earlier changes only.
         seen = self.seen_s(n)
         round_speed = record.verify_s / self.cost.target_s(n)
-        if n == 1 and seen is None:
-            # A sequence's first plain step sets the speed: the machine's load may have
-            # changed since T(n) was timed, and the factor, a decayed average, lags a
-            # change by about ten rounds. A T(1) first timed inside that lag was stored
-            # dear, then moved up as the factor caught up; in a drafting streak (no plain
-            # round to correct it) it stayed 40% too dear, and the target drafting for
-            # itself looked faster than plain decoding. (Not from a larger size: the cost
-            # model's shape, timed on a short prompt, may not be this context's.)
-            self.target_speed = round_speed
         self.target_speed = keep * self.target_speed + (1 - keep) * round_speed
         seen = seen or record.verify_s  # the first timing of a size sets it
         self.seen_verify_s[n] = keep * seen + (1 - keep) * record.verify_s

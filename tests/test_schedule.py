@@ -389,21 +389,6 @@ def test_adaptive_times_a_draft_against_its_own_rounds_verify_pass() -> None:
     assert schedule.unit_draft_s() == pytest.approx(1.0)
 
 
-def test_a_sequences_first_plain_step_sets_the_machines_speed() -> None:
-    """A sequence on a machine 1.5x slower than when T(n) was timed: T(1), first timed
-    while a speed factor started from 1 lags, must not turn dear as the factor catches up
-    during a drafting streak, or the target drafting for itself, a target step per draft,
-    looks 1.25x faster than plain decoding."""
-    schedule = AdaptiveGamma(CostModel(tuple(1.0 + 0.2 * n for n in range(8))), max_gamma=2)
-    schedule.draft_per_token_s = 1.0  # learned by an earlier sequence: a target step
-    for _ in range(3):
-        schedule.update(RoundRecord(0, 0, 0, 1, 0.0, 1.5))
-    for _ in range(20):
-        self_draft_timings(schedule, 1.5, 1)
-        assert schedule.predicted_speedup(2, [1.0, 1.0]) < 0.95  # 3 / (2 + 1.4) in truth
-    assert schedule.current_cost().target_s(1) == pytest.approx(1.5, rel=0.1)
-
-
 def test_adaptive_does_not_learn_draft_costs_from_catch_up_rounds() -> None:
     """A draft model's first round reads the prompt, its first after plain rounds catches
     up on them: 30x a draft's time here. Learned from those, the drafter would look too
@@ -731,6 +716,31 @@ def test_a_drafter_too_dear_to_pay_is_not_retried_on_the_next_sequence(
     # Sampling starts from no learned timing: a seed must fix the output in any process.
     sampled = replace(config, sampling=SamplingConfig(temperature=0.8))
     assert decoder._schedule(sampled, "", CostModel((VERIFY_S,) * 4)).current_cost().draft_s(1) == 0
+
+
+def test_the_machine_speed_carries_to_the_next_sequence(
+    monkeypatch: pytest.MonkeyPatch, target: PreTrainedModel, reference: list[int]
+) -> None:
+    """The target drafting for itself, then every forward and draft 2x slower than when T(n)
+    was timed (another process on the machine). A sequence started from the timed speed
+    stores its first plain rounds' T(1) against a speed factor still near 1, and a draft
+    step looks half a target step: it drafts (9 rounds here; so did every sequence, each
+    starting from speed 1). The next starts from the speed the one before left: at most one
+    drafting round while the speed factor settles, and none after."""
+    clock = FakeTime()
+    dear = ClockedDrafter(target, clock, VERIFY_S)
+    decoder = decode_on_fake_clock(monkeypatch, target, dear, clock)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=3, schedule="guarded")
+    assert decoder.generate(PROMPT, config).tokens == reference  # learns the draft cost
+    clock.slowdown = 2.0
+    slowed = decoder.generate(PROMPT, config)
+    assert slowed.tokens == reference and slowed.stats.requested_gammas.get(3, 0) > 0
+    assert decoder.machine_speed > 1.5  # the speed factor on its way to 2
+    after = decoder.generate(PROMPT, config)
+    assert after.tokens == reference and after.stats.requested_gammas.get(3, 0) <= 1
+    settled = decoder.generate(PROMPT, config)
+    assert settled.tokens == reference and set(settled.stats.requested_gammas) == {0}
+    assert list(decoder.learned_draft_s.values()) == [pytest.approx(VERIFY_S)]
 
 
 def test_guarded_choices_follow_the_drafter(
