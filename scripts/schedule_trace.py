@@ -27,7 +27,8 @@ def traced_update(self: AdaptiveGamma, record: RoundRecord) -> None:
         print(
             f"DRAFT {type(self).__name__} k={record.requested} accepted={record.accepted} "
             f"draft_s={record.draft_s:.3f} verify_s={record.verify_s:.3f} "
-            f"plain_before={self.plain_rounds} "
+            f"plain_before={self.plain_rounds} caught_up={record.caught_up} "
+            f"catch_up_ms_per_token={1e3 * self.catch_up_s(1):.2f} "
             f"draft_ms={1e3 * cost.draft_per_token_s:.1f} T1_ms={1e3 * cost.target_s(1):.1f} "
             f"T3_ms={1e3 * cost.target_s(3):.1f} all_accepted={all_accepted}",
             file=sys.stderr,

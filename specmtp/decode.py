@@ -24,6 +24,7 @@ from specmtp.drafters import (
     Outcome,
     Proposal,
     drafter_arm,
+    drafter_catch_up,
     empty_proposal,
     has_arms,
 )
@@ -100,6 +101,10 @@ class SpecDecoder:
         # every sequence (its first round also reads the prompt: a whole extra prefill for
         # a draft model).
         self.learned_draft_s: dict[str, float] = {}
+        # Per drafter arm, the same for a draft model's catch-up (AdaptiveGamma's
+        # catch_up_record): without it every sequence would probe a drafter whose prompt
+        # read cannot be repaid, to learn that again.
+        self.learned_catch_up: dict[str, tuple[float, float]] = {}
         # The machine's speed against the T(n) timed in this process (measured over
         # modelled seconds), as the last greedy sequence's schedule left it. The next
         # starts from it: started from 1 while another process slowed every forward, a
@@ -133,7 +138,8 @@ class SpecDecoder:
             if arm not in schedules:
                 schedules[arm] = self._schedule(config, arm, cost)
             schedule = schedules[arm]
-            k = schedule.next_gamma(limit) if limit > 0 else 0
+            catch_up = drafter_catch_up(self.drafter, context) if self.drafter is not None else 0
+            k = schedule.next_gamma(limit, catch_up) if limit > 0 else 0
             proposal, draft_s = self._draft(context, k, config, generator, max_positions)
             verdict, verify_s = self._verify(context, proposal, config, generator, stats)
             outcome = self._commit(context, proposal, verdict, k, stats)
@@ -141,10 +147,14 @@ class SpecDecoder:
             if arm:
                 stats.record_arm(arm, proposal.depth, accepted, k, draft_s)
             schedule.update(
-                RoundRecord(k, proposal.depth, accepted, outcome.verified, draft_s, verify_s)
-            )
+                RoundRecord(
+                    k, proposal.depth, accepted, outcome.verified, draft_s, verify_s,
+                    caught_up=catch_up if k else 0,
+                )
+            )  # fmt: skip
             if isinstance(schedule, AdaptiveGamma) and schedule.timing_feedback:
                 self.machine_speed = schedule.target_speed
+                self.learned_catch_up[arm] = schedule.catch_up_record
                 if schedule.learn_draft:
                     self.learned_draft_s[arm] = schedule.unit_draft_s()
             if self.drafter is not None:
@@ -214,6 +224,7 @@ class SpecDecoder:
             )
             if config.sampling.greedy:
                 schedule.target_speed = self.machine_speed
+                schedule.catch_up_record = self.learned_catch_up.get(arm, (0.0, 0.0))
                 if schedule.learn_draft:
                     schedule.draft_per_token_s = self.learned_draft_s.get(arm, 0.0)
             return schedule
@@ -241,6 +252,10 @@ class SpecDecoder:
             # earlier timings moves to the new ones.
             self.learned_draft_s = {
                 arm: s / self.machine_speed for arm, s in self.learned_draft_s.items()
+            }
+            self.learned_catch_up = {
+                arm: (s / self.machine_speed, read)
+                for arm, (s, read) in self.learned_catch_up.items()
             }
             self.machine_speed = 1.0
         if given is None:

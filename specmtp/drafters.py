@@ -92,6 +92,8 @@ class Drafter(Protocol):
     # that drafts the coming round (see drafter_arm).
     # Optional, with needs_target_hidden: `target_hidden_layers`, which of the target's
     # hidden states the drafter reads (heads.target_features); absent or None: the final.
+    # Optional, for drafters with a cache of their own: `catch_up(context) -> int`, the
+    # tokens it will read before drafting that are not in its cache (see drafter_catch_up).
 
 
 class NoMemory:
@@ -164,6 +166,16 @@ def drafter_arm(drafter: Drafter, context: torch.Tensor) -> str:
     return drafter.next_arm(context) if has_arms(drafter) else ""  # type: ignore[attr-defined]
 
 
+def drafter_catch_up(drafter: Drafter, context: torch.Tensor) -> int:
+    """Tokens of `context` the drafter must read before it can draft, besides the newest:
+    none while it drafts every round (its drafts are what it read last), the tokens of the
+    rounds it sat out, and a whole prompt at a sequence's start. A draft model reads them
+    in one forward before its first draft, a cost the schedules price separately from a
+    draft's. 0 for drafters without a cache of their own (n-gram lookup, MTP heads)."""
+    catch_up = getattr(drafter, "catch_up", None)
+    return 0 if catch_up is None else catch_up(context)
+
+
 def drafter_tree(drafter: Drafter | None) -> TokenTree | None:
     """The token tree a drafter verifies with (a lookup-first drafter: its fallback's), or
     None for chain drafters."""
@@ -219,6 +231,9 @@ class LookupFirstDrafter:
         if self._looked_up[0] is not context:
             self._looked_up = (context, self.lookup.match(context[0]))
         return self._looked_up[1]
+
+    def catch_up(self, context: torch.Tensor) -> int:
+        return 0 if self._match(context) is not None else drafter_catch_up(self.fallback, context)
 
     def observe(self, outcome: Outcome) -> None:
         self.fallback.observe(outcome)
@@ -279,6 +294,7 @@ class DraftModelDrafter:
         self.name = name
         self.needs_target_hidden = False
         self.fed = torch.empty(1, 0, dtype=torch.long)  # [1, runner.length]
+        self.expected = self.fed  # [1, m]: the last context it drafted from, then its drafts
 
     @property
     def multi_token(self) -> bool:
@@ -287,13 +303,17 @@ class DraftModelDrafter:
     def reset(self) -> None:
         self.runner.reset()
         self.fed = torch.empty(1, 0, dtype=torch.long, device=self.runner.device)
+        self.expected = self.fed
         if self.history is not None:
             self.history.reset()
 
+    def catch_up(self, context: torch.Tensor) -> int:
+        """Tokens of `context` past its last drafts' common prefix, less the newest (a
+        corrected or bonus token, read in every round)."""
+        return max(0, context.shape[1] - _common_prefix(self.expected, context) - 1)
+
     def _rollback_to_prefix_of(self, context: torch.Tensor) -> None:
-        m = min(self.fed.shape[1], context.shape[1])
-        same = (self.fed[:, :m] == context[:, :m]).all(0)  # [m]
-        common = m if bool(same.all()) else int(same.long().argmin())
+        common = _common_prefix(self.fed, context)
         self.runner.crop(common)
         self.fed = self.fed[:, :common]
         if self.history is not None:
@@ -323,7 +343,9 @@ class DraftModelDrafter:
         draft_probs = None if sampling.greedy or not probs else torch.stack(probs, 1)  # [B,k,V]
         if not tokens:
             return empty_proposal(context.shape[0], context.device)
-        return Proposal(torch.stack(tokens, 1), draft_probs)
+        drafts = torch.stack(tokens, 1)  # [B, k]
+        self.expected = torch.cat([context, drafts], 1)
+        return Proposal(drafts, draft_probs)
 
     def _draft_step(
         self,
@@ -378,6 +400,13 @@ class DraftModelDrafter:
     def kv_bytes_per_token(self) -> int:
         own = kv_bytes_per_token(self.runner.model)
         return own if self.history is None else own + self.history.bytes_per_position()
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Length of the longest common prefix of token rows a [B, m] and b [B, n]."""
+    m = min(a.shape[1], b.shape[1])
+    same = (a[:, :m] == b[:, :m]).all(0)  # [m]
+    return m if bool(same.all()) else int(same.long().argmin())
 
 
 def _draw(

@@ -13,7 +13,9 @@ A schedule is asked for each round's γ and told what the round did. Four kinds:
   record allows, it drafts nothing, and probes with γ = 1 now and then in case the text
   has become predictable again; the interval doubles after each probe that leaves
   drafting predicted not to pay, accepted drafts or not, and there are no probes when not
-  even drafts that are all accepted would pay.
+  even drafts that are all accepted would pay. A draft model that sat out rounds (or has
+  not read the prompt) reads them before it drafts: it starts drafting only when the
+  tokens left could repay that.
 - guarded: a fixed γ behind the adaptive schedule's guard: γ every round while γ is
   predicted to pay, else plain decoding with probes at γ. Fixed γ alone has no floor: a
   drafter that misses makes every round cost a verify pass (and the drafts) for one token.
@@ -39,11 +41,13 @@ class RoundRecord:
     verified: int  # tokens in the verify forward (k + 1, or a tree's nodes + 1)
     draft_s: float
     verify_s: float
+    caught_up: int = 0  # tokens the drafter read before drafting (drafters.drafter_catch_up)
 
 
 class Schedule(Protocol):
-    def next_gamma(self, limit: int) -> int:
-        """γ for the coming round, at most `limit` (the tokens or memory left)."""
+    def next_gamma(self, limit: int, catch_up: int = 0) -> int:
+        """γ for the coming round, at most `limit` (the tokens or memory left); drafting
+        first makes the drafter read `catch_up` tokens it has not seen."""
 
     def update(self, record: RoundRecord) -> None: ...
 
@@ -52,7 +56,7 @@ class FixedGamma:
     def __init__(self, gamma: int) -> None:
         self.gamma = gamma
 
-    def next_gamma(self, limit: int) -> int:
+    def next_gamma(self, limit: int, catch_up: int = 0) -> int:
         return min(self.gamma, limit)
 
     def update(self, record: RoundRecord) -> None:
@@ -65,7 +69,7 @@ class HeuristicGamma:
     def __init__(self, start: int) -> None:
         self.gamma = start
 
-    def next_gamma(self, limit: int) -> int:
+    def next_gamma(self, limit: int, catch_up: int = 0) -> int:
         return min(self.gamma, limit)
 
     def update(self, record: RoundRecord) -> None:
@@ -129,6 +133,9 @@ class AdaptiveGamma:
         # (At the cost model's speed: seconds per token when target_speed is 1.)
         self.learn_draft = cost.draft_s(1) == 0
         self.draft_per_token_s = 0.0
+        # A draft model's catch-up: decayed sums of the seconds its catch-up rounds took
+        # beyond their drafts (at the cost model's speed) and of the tokens they read.
+        self.catch_up_record = (0.0, 0.0)
         self.verified: dict[int, int] = {}  # depth drafted -> tokens verified (trees: more)
         # Verify seconds seen per size n: T(n)'s shape changes with the context length
         # (attention over a long prompt), which one speed factor cannot follow. With the
@@ -196,6 +203,23 @@ class AdaptiveGamma:
             return None
         return self.seen_verify_s[n] * self.target_speed / self.seen_at[n]
 
+    def catch_up_s(self, tokens: int) -> float:
+        """Predicted seconds for the drafter to read `tokens` before drafting, at the
+        machine's current speed: seconds per token over the catch-ups seen (0 before any)."""
+        seconds, read = self.catch_up_record
+        return tokens * seconds / read * self.target_speed if read else 0.0
+
+    def repays(self, speedup: float, catch_up: int, left: int) -> bool:
+        """Whether drafting at `speedup` over the `left` tokens still to generate saves
+        more than the drafter's catch-up on `catch_up` tokens costs. A draft model reads a
+        whole prompt before its first draft, and the skipped tokens after plain rounds:
+        for the target drafting for itself at best 2-3% faster, that is four to six target
+        steps, more than 64 tokens of drafting can win back."""
+        if not catch_up:
+            return True
+        saving = left * self.current_cost().target_s(1) * (1 - 1 / speedup)
+        return saving >= self.catch_up_s(catch_up)
+
     def unit_draft_s(self) -> float:
         """The learned seconds per drafted token at the cost model's speed: what the next
         sequence's schedule starts from."""
@@ -231,23 +255,31 @@ class AdaptiveGamma:
         first: the fallback's checks and probes use the cheapest."""
         return range(1, top + 1)
 
-    def next_gamma(self, limit: int) -> int:
+    def next_gamma(self, limit: int, catch_up: int = 0) -> int:
         choices = self.choices(max(0, min(self.max_gamma, limit)))
         if not choices:
             return 0
         if k := self.paying_gamma(choices):
-            return k
-        if self.plain_rounds >= self.probe_every and self.could_pay(choices):
+            speedup = max(
+                self.predicted_speedup(k), self.predicted_speedup(k, self.optimistic_alphas())
+            )
+            return k if self.repays(speedup, catch_up, limit) else 0
+        if self.plain_rounds >= self.probe_every and self.could_pay(choices, catch_up, limit):
             return choices[0]  # a probe: is the text predictable again?
         return 0
 
-    def could_pay(self, choices: range) -> bool:
-        """Whether some choice would beat plain decoding if every draft were accepted. If
-        none would (a drafter that costs about a target step per draft), no text makes
-        drafting pay, and a probe only costs: the drafter catches up on the plain rounds'
-        tokens and drafts for nothing."""
+    def could_pay(self, choices: range, catch_up: int = 0, left: int = 0) -> bool:
+        """Whether some choice would beat plain decoding if every draft were accepted, and
+        over the `left` tokens repay the drafter's catch-up on `catch_up` tokens. If none
+        would (a drafter that costs about a target step per draft), no text makes drafting
+        pay, and a probe only costs: the drafter catches up on the plain rounds' tokens and
+        drafts for nothing."""
         margin = self.settings.margin
-        return any(self.predicted_speedup(k, [1.0] * k) >= margin for k in choices)
+        for k in choices:
+            speedup = self.predicted_speedup(k, [1.0] * k)
+            if speedup >= margin and self.repays(speedup, catch_up, left):
+                return True
+        return False
 
     def paying_gamma(self, choices: range) -> int:
         """The choice predicted to draft fastest, if it beats plain decoding by the margin;
@@ -315,8 +347,10 @@ class AdaptiveGamma:
         # A draft model's first round of a sequence reads the prompt, and its first after
         # plain rounds catches up on their tokens: neither times what a draft costs while
         # drafting, and either could price drafting out (then nothing would be probed).
-        catching_up = self.plain_rounds > 0 or not self.timed_drafts
+        catching_up = record.caught_up > 0 or self.plain_rounds > 0 or not self.timed_drafts
         self.timed_drafts += 1
+        if record.caught_up:
+            self._learn_catch_up(record, round_speed)
         if catching_up:
             return
         if self.learn_draft:
@@ -330,6 +364,20 @@ class AdaptiveGamma:
         else:
             ratio = record.draft_s / self.cost.draft_s(record.drafted)
             self.draft_speed = keep * self.draft_speed + (1 - keep) * ratio
+
+    def _learn_catch_up(self, record: RoundRecord, round_speed: float) -> None:
+        """The seconds a catch-up round took beyond its drafts, per token read. Weighted by
+        the tokens: a prompt read times it better than the noise of a few skipped tokens.
+        Not learned before a draft's own cost is known (it would be counted as catch-up)."""
+        if self.learn_draft:
+            drafts_s = self.draft_per_token_s * record.drafted * round_speed
+            if not drafts_s:
+                return
+        else:
+            drafts_s = self.cost.draft_s(record.drafted) * self.draft_speed
+        extra_s = max(0.0, record.draft_s - drafts_s) / round_speed
+        keep, (seconds, read) = self.settings.cost_decay, self.catch_up_record
+        self.catch_up_record = (keep * seconds + extra_s, keep * read + record.caught_up)
 
 
 class GuardedGamma(AdaptiveGamma):

@@ -17,7 +17,15 @@ from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors, tenso
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.costmodel import CostModel
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import Drafter, DraftModelDrafter, NoMemory, Outcome, Proposal
+from specmtp.drafters import (
+    Drafter,
+    DraftModelDrafter,
+    LookupFirstDrafter,
+    NoMemory,
+    Outcome,
+    Proposal,
+    drafter_catch_up,
+)
 from specmtp.errors import SpecMTPError
 from specmtp.schedule import (
     AdaptiveGamma,
@@ -412,6 +420,82 @@ def test_adaptive_does_not_learn_draft_costs_from_catch_up_rounds() -> None:
     assert schedule.current_cost().draft_per_token_s > per_token
 
 
+def test_adaptive_learns_a_catch_up_cost_per_token_read() -> None:
+    """A catch-up round's seconds beyond its drafts, per token read, weighted by the tokens
+    (a prompt read outweighs a few skipped tokens' noise); at the machine's speed. Not
+    learned while a draft's own cost is unknown: it would all count as catch-up."""
+    schedule = AdaptiveGamma(target_cost(), max_gamma=2)
+    per_draft, per_read = 0.1, 0.02
+
+    def timed(read: int, speed: float = 1.0) -> RoundRecord:
+        seconds = (per_draft * 2 + per_read * read) * speed
+        return RoundRecord(2, 2, 2, 3, seconds, 1.1 * speed, caught_up=read)
+
+    schedule.update(timed(40))  # the prompt, before any draft was timed
+    assert schedule.catch_up_s(10) == 0.0
+    for _ in range(3):
+        schedule.update(timed(0))
+    schedule.update(timed(40))
+    assert schedule.catch_up_s(10) == pytest.approx(10 * per_read)
+    assert schedule.unit_draft_s() == pytest.approx(per_draft)  # catch-ups not in it
+    schedule.update(timed(2, speed=2.0))  # a 2x slower machine: the same cost per token
+    assert schedule.catch_up_s(10) / schedule.target_speed == pytest.approx(10 * per_read)
+
+
+def test_adaptive_drafts_only_when_the_tokens_left_repay_a_catch_up() -> None:
+    """Drafting predicted 8% faster (every draft accepted, 0.9 of a target step each), after
+    the draft model sat out rounds or before it has read the prompt: it starts drafting only
+    when the tokens left save more than reading the skipped ones costs. The same holds for a
+    probe."""
+    per_draft = 0.9
+    schedule = AdaptiveGamma(target_cost(), max_gamma=1, prior=[1.0])
+    schedule.draft_per_token_s = per_draft
+    schedule.catch_up_record = (0.5, 1.0)  # half a target step per token read
+    assert schedule.predicted_speedup(1) == pytest.approx(2 / 1.95)
+    assert schedule.next_gamma(40) == 1  # no catch-up: it pays
+    assert schedule.next_gamma(40, catch_up=20) == 0  # saves 1 s, reading costs 10 s
+    assert schedule.next_gamma(800, catch_up=20) == 1  # saves 20 s
+    for _ in range(30):  # drafts that miss: it falls back to plain decoding, with probes
+        k = schedule.next_gamma(40)
+        schedule.update(RoundRecord(k, k, 0, k + 1, per_draft * k, 1.0 + 0.05 * k))
+    assert schedule.paying_gamma(schedule.choices(1)) == 0
+    while schedule.next_gamma(40) == 0:
+        schedule.update(RoundRecord(0, 0, 0, 1, 0.0, 1.0))
+    # A probe is due, and taken when catching up is free; not when the skipped tokens
+    # cost more to read than drafting could save, even with every draft accepted.
+    skipped = schedule.plain_rounds
+    assert schedule.next_gamma(40, catch_up=skipped) == 0
+    assert schedule.next_gamma(4000, catch_up=skipped) == 1
+
+
+def test_a_draft_model_counts_the_tokens_it_must_catch_up_on(target: PreTrainedModel) -> None:
+    """A draft model reads what is new in the context before drafting: the prompt at first,
+    nothing beyond the newest token while it drafts every round (its drafts are what it
+    read), the rounds it sat out after them. A lookup-first drafter's lookup arm reads
+    nothing."""
+    drafter = DraftModelDrafter(perturbed_copy(target, scale=0.1, seed=1), vocab_size=TINY_VOCAB)
+    context = torch.tensor([PROMPT])
+    assert drafter_catch_up(drafter, context) == len(PROMPT) - 1
+    drafts = drafter.propose(context, 3, SamplingConfig(), None).tokens  # [1, 3]
+    for accepted in range(4):
+        # A correction (not the draft at that position), or any bonus token.
+        newest = (
+            (drafts[:, accepted : accepted + 1] + 1) % TINY_VOCAB
+            if accepted < 3
+            else context[:, :1]
+        )
+        committed = torch.cat([context, drafts[:, :accepted], newest], 1)
+        assert drafter_catch_up(drafter, committed) == 0
+    other = (drafts[:, 1:2] + 1) % TINY_VOCAB
+    skipped = torch.cat([context, drafts[:, :1], other, torch.tensor([[4, 9]])], 1)
+    assert drafter_catch_up(drafter, skipped) == 2  # `other` and 4; 9 is the newest
+    lookup_first = LookupFirstDrafter(drafter)
+    assert drafter_catch_up(lookup_first, skipped) == 2  # no earlier match: the draft model
+    repeat = torch.cat([skipped, torch.tensor([[5, 17]])], 1)  # 5 17 follows the prompt's
+    assert drafter_catch_up(lookup_first, repeat) == 0
+    assert drafter_catch_up(ScriptDrafter(PROMPT), repeat) == 0  # no cache of its own
+
+
 def test_adaptive_never_exceeds_the_limit() -> None:
     eager = AdaptiveGamma(target_cost(0.05), max_gamma=6)
     drive(eager, all_accepted, 30)
@@ -611,12 +695,16 @@ class FakeTime:
 
 
 class ClockedDrafter(DraftModelDrafter):
-    """A draft model whose drafts take `per_token` seconds each on the fake clock."""
+    """A draft model whose drafts take `per_token` seconds each on the fake clock, and each
+    token it must catch up on before drafting `per_read` seconds."""
 
-    def __init__(self, model: PreTrainedModel, clock: FakeTime, per_token: float) -> None:
+    def __init__(
+        self, model: PreTrainedModel, clock: FakeTime, per_token: float, per_read: float = 0.0
+    ) -> None:
         super().__init__(model, vocab_size=TINY_VOCAB)
         self.clock = clock
         self.per_token = per_token
+        self.per_read = per_read
 
     def propose(
         self,
@@ -625,7 +713,8 @@ class ClockedDrafter(DraftModelDrafter):
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> Proposal:
-        self.clock.now += self.per_token * k * self.clock.slowdown
+        read = self.catch_up(context)
+        self.clock.now += (self.per_token * k + self.per_read * read) * self.clock.slowdown
         return super().propose(context, k, sampling, generator)
 
 
@@ -716,6 +805,29 @@ def test_a_drafter_too_dear_to_pay_is_not_retried_on_the_next_sequence(
     # Sampling starts from no learned timing: a seed must fix the output in any process.
     sampled = replace(config, sampling=SamplingConfig(temperature=0.8))
     assert decoder._schedule(sampled, "", CostModel((VERIFY_S,) * 4)).current_cost().draft_s(1) == 0
+
+
+@pytest.mark.parametrize("per_read", [0.0, 0.5 * VERIFY_S])
+def test_a_prompt_read_that_drafting_cannot_repay_is_not_made(
+    monkeypatch: pytest.MonkeyPatch, target: PreTrainedModel, reference: list[int], per_read: float
+) -> None:
+    """The target drafting for itself at 0.9 of a target step per draft, every draft
+    accepted: at γ 3 over a flat T(n), 8% faster than plain decoding once it has read the
+    prompt. At half a step per token, reading the prompt costs more than 40 tokens of
+    drafting save. The first sequence learns the draft cost, and at its first probe (after
+    plain rounds: its acceptance estimates start at 0.5) the catch-up; the next start from
+    both and draft nothing, not even probes. With a free catch-up every sequence drafts."""
+    clock = FakeTime()
+    self_draft = ClockedDrafter(target, clock, 0.9 * VERIFY_S, per_read)
+    decoder = decode_on_fake_clock(monkeypatch, target, self_draft, clock)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=3, schedule="guarded")
+    for sequence in range(3):
+        result = decoder.generate(PROMPT, config)
+        assert result.tokens == reference
+        drafting = result.stats.requested_gammas.get(3, 0)
+        assert drafting > 0 if per_read == 0 or sequence == 0 else drafting == 0
+    seconds, read = decoder.learned_catch_up[""]
+    assert seconds / read == pytest.approx(per_read)
 
 
 def test_the_machine_speed_carries_to_the_next_sequence(
