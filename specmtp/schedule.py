@@ -136,6 +136,7 @@ class AdaptiveGamma:
         # A draft model's catch-up: decayed sums of the seconds its catch-up rounds took
         # beyond their drafts (at the cost model's speed) and of the tokens they read.
         self.catch_up_record = (0.0, 0.0)
+        self.unpriced_catch_up: tuple[RoundRecord, float] | None = None  # before a draft's cost
         self.verified: dict[int, int] = {}  # depth drafted -> tokens verified (trees: more)
         # Verify seconds seen per size n: T(n)'s shape changes with the context length
         # (attention over a long prompt), which one speed factor cannot follow. With the
@@ -361,6 +362,9 @@ class AdaptiveGamma:
             per_token = record.draft_s / record.drafted / round_speed
             unit = self.draft_per_token_s or per_token  # the first timing sets it
             self.draft_per_token_s = keep * unit + (1 - keep) * per_token
+            if self.unpriced_catch_up is not None:
+                self._learn_catch_up(*self.unpriced_catch_up)
+                self.unpriced_catch_up = None
         else:
             ratio = record.draft_s / self.cost.draft_s(record.drafted)
             self.draft_speed = keep * self.draft_speed + (1 - keep) * ratio
@@ -368,10 +372,12 @@ class AdaptiveGamma:
     def _learn_catch_up(self, record: RoundRecord, round_speed: float) -> None:
         """The seconds a catch-up round took beyond its drafts, per token read. Weighted by
         the tokens: a prompt read times it better than the noise of a few skipped tokens.
-        Not learned before a draft's own cost is known (it would be counted as catch-up)."""
+        A catch-up before a draft's own cost is known (the first round's prompt read) is
+        priced once it is."""
         if self.learn_draft:
             drafts_s = self.draft_per_token_s * record.drafted * round_speed
             if not drafts_s:
+                self.unpriced_catch_up = (record, round_speed)
                 return
         else:
             drafts_s = self.cost.draft_s(record.drafted) * self.draft_speed

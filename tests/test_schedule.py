@@ -422,8 +422,8 @@ def test_adaptive_does_not_learn_draft_costs_from_catch_up_rounds() -> None:
 
 def test_adaptive_learns_a_catch_up_cost_per_token_read() -> None:
     """A catch-up round's seconds beyond its drafts, per token read, weighted by the tokens
-    (a prompt read outweighs a few skipped tokens' noise); at the machine's speed. Not
-    learned while a draft's own cost is unknown: it would all count as catch-up."""
+    (a prompt read outweighs a few skipped tokens' noise); at the machine's speed. The
+    first round's prompt read, before a draft's own cost is known, is priced once it is."""
     schedule = AdaptiveGamma(target_cost(), max_gamma=2)
     per_draft, per_read = 0.1, 0.02
 
@@ -433,6 +433,8 @@ def test_adaptive_learns_a_catch_up_cost_per_token_read() -> None:
 
     schedule.update(timed(40))  # the prompt, before any draft was timed
     assert schedule.catch_up_s(10) == 0.0
+    schedule.update(timed(0))
+    assert schedule.catch_up_s(10) == pytest.approx(10 * per_read)
     for _ in range(3):
         schedule.update(timed(0))
     schedule.update(timed(40))
