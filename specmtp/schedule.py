@@ -261,6 +261,8 @@ class AdaptiveGamma:
         if not choices:
             return 0
         if k := self.paying_gamma(choices):
+            if not catch_up:  # drafting every round: nothing to repay, nothing to predict again
+                return k
             speedup = max(
                 self.predicted_speedup(k), self.predicted_speedup(k, self.optimistic_alphas())
             )
