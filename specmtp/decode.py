@@ -25,6 +25,7 @@ from specmtp.drafters import (
     Proposal,
     drafter_arm,
     drafter_catch_up,
+    drafter_depth,
     empty_proposal,
     has_arms,
 )
@@ -198,8 +199,26 @@ class SpecDecoder:
         others. T(n) is timed on first use: a benchmark calls this before its timed runs."""
         if config.schedule not in MEASURED_SCHEDULES or self.drafter is None:
             return None
-        top = max(config.gamma, config.model_gamma or 0)
+        top = max(self._arm_gamma(config, arm) for arm in self._arms())
         return self.cost_model(prompt_ids, top, fresh=config.sampling.greedy)
+
+    def _arms(self) -> tuple[str, ...]:
+        return (LOOKUP_ARM, MODEL_ARM) if has_arms(self.drafter) else ("",)
+
+    def _arm_gamma(self, config: GenerationConfig, arm: str) -> int:
+        """The largest γ a measured schedule of a drafter arm may ask: the config's (the
+        model arm of a lookup-first drafter: `model_gamma` if given), but no more than the
+        arm proposes.
+        T(n) is timed up to the largest arm's γ + 1: `--gamma auto` allows up to 8, and for
+        three MTP heads timing 9 sizes took 4.3-4.8 s of a one-shot `generate`, 4 sizes
+        1.8-2.0 s (the default model, one thread)."""
+        gamma = config.gamma
+        drafter = self.drafter
+        if arm == MODEL_ARM:
+            gamma = config.model_gamma or gamma
+            drafter = getattr(drafter, "fallback", None)
+        depth = None if arm == LOOKUP_ARM else drafter_depth(drafter)
+        return gamma if depth is None else min(gamma, depth)
 
     def _schedule(self, config: GenerationConfig, arm: str, cost: CostModel | None) -> Schedule:
         """The schedule of one drafter arm. The model arm of a lookup-first drafter starts
@@ -211,6 +230,7 @@ class SpecDecoder:
         if config.schedule == "heuristic":
             return HeuristicGamma(gamma)
         if cost is not None:
+            gamma = self._arm_gamma(config, arm)  # choices past what the arm proposes: none
             if arm == LOOKUP_ARM:
                 cost = replace(cost, draft_fixed_s=0.0, draft_per_token_s=0.0)
             # Sampling: γ must not depend on wall-clock timings, or a seed would not fix

@@ -184,6 +184,15 @@ def drafter_tree(drafter: Drafter | None) -> TokenTree | None:
     return getattr(drafter, "tree", None) if isinstance(drafter, MTPDrafter) else None
 
 
+def drafter_depth(drafter: Drafter | None) -> int | None:
+    """The most tokens a drafter proposes per round, where its own shape bounds that: MTP
+    heads drafting a chain propose one per head, whatever γ is asked. None where only γ
+    bounds it (lookup, draft models, a lookup arm) or a tree's nodes set the verify size."""
+    if isinstance(drafter, MTPDrafter) and drafter.tree is None:
+        return drafter.max_depth
+    return None
+
+
 class LookupFirstDrafter:
     """Prompt lookup first, a model drafter otherwise: each round drafts what followed the
     latest earlier occurrence of the context's last n >= 2 tokens when there is one (copied

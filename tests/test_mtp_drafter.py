@@ -8,9 +8,10 @@ from conftest import TINY_VOCAB, hf_greedy, tiny_model
 from test_decode_tree import TREE
 from transformers import PreTrainedModel
 
+from specmtp import decode
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import MTPDrafter, Proposal
+from specmtp.drafters import LookupFirstDrafter, MTPDrafter, Proposal
 from specmtp.errors import SpecMTPError
 from specmtp.heads import Heads, HeadsConfig, build_heads, describe_target
 from specmtp.mtp_loss import decaying_weights, mtp_losses
@@ -128,3 +129,39 @@ def test_sampled_mtp_chain_is_seeded(target: PreTrainedModel) -> None:
         return decoder.generate(PROMPT, GenerationConfig(30, 3, sampling, seed=seed)).tokens
 
     assert run(1) == run(1) != run(2)
+
+
+@pytest.mark.parametrize(
+    ("drafting", "timed", "asked"),
+    [("chain", [4], {0, 1, 2, 3}), ("tree", [9], None), ("lookup first", [9], None)],
+)
+def test_auto_times_and_asks_no_more_drafts_than_the_heads_propose(
+    target: PreTrainedModel,
+    monkeypatch: pytest.MonkeyPatch,
+    drafting: str,
+    timed: list[int],
+    asked: set[int] | None,
+) -> None:
+    """`--gamma auto` allows γ up to 8: three heads drafting a chain propose 3, so T(n) is
+    timed for n <= 4 and the schedule chooses among 0..3. A tree's verify pass and a lookup
+    arm are not bounded by the heads: timed up to γ + 1 as before."""
+    calls: list[int] = []
+    measure = decode.measure_verify_costs
+
+    def counting(*args: object, max_tokens: int, **kwargs: object) -> tuple[float, ...]:
+        calls.append(max_tokens)
+        return measure(*args, max_tokens=max_tokens, **kwargs)
+
+    monkeypatch.setattr(decode, "measure_verify_costs", counting)
+    heads = trained_heads(target, "parallel", steps=60)
+    drafter = MTPDrafter(heads, tree=TREE if drafting == "tree" else None)
+    if drafting == "lookup first":
+        drafter = LookupFirstDrafter(drafter)
+    decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
+    config = GenerationConfig(max_new_tokens=40, gamma=8, schedule="adaptive")
+    result = decoder.generate(PROMPT, config)
+    assert result.tokens == hf_greedy(target, PROMPT, 40)
+    assert calls == timed
+    if asked is not None:
+        assert set(result.stats.requested_gammas) <= asked
+        assert result.stats.drafted_tokens > 0
