@@ -34,6 +34,7 @@ from specmtp.output_vocab import output_vocab_ids
 from specmtp.profile import Profile, check_profile_weights, weights_fingerprint
 from specmtp.specs import DRAFT_HEADS, OUTPUT_VOCAB, TREE_NODES, split_count, split_heads
 from specmtp.stats import GenerationStats
+from specmtp.timings import TimingStore
 from specmtp.tree import TREE_FILE, TokenTree
 
 
@@ -271,6 +272,7 @@ class SpecGenerator:
             cost_model=None if profile is None else profile.cost_model,
             prior_alphas=() if profile is None else profile.alphas,
             arm_priors={} if profile is None else profile.arm_alphas,
+            timings=TimingStore.for_model(self.target.model),
         )
         self.last_stats: GenerationStats | None = None
         self.last_tokens: list[int] = []

@@ -414,7 +414,8 @@ def _profile_for(
     if profile is None and gamma == "auto":
         print(
             f"specmtp: no tuning profile for {target} with {draft}; the adaptive schedule "
-            "measures the target's costs now (run `specmtp tune` for a better start)",
+            "times the target's costs (sampled runs: once per machine, then stored; run "
+            "`specmtp tune` for a better start)",
             file=sys.stderr,
         )
     return profile

@@ -40,6 +40,7 @@ from specmtp.schedule import (
     Schedule,
 )
 from specmtp.stats import GenerationStats
+from specmtp.timings import TimingStore
 from specmtp.tree import (
     TreeVerdict,
     commit_tree_path,
@@ -77,6 +78,7 @@ class SpecDecoder:
         cost_model: CostModel | None = None,
         prior_alphas: Sequence[float] = (),
         arm_priors: Mapping[str, Sequence[float]] | None = None,
+        timings: TimingStore | None = None,
     ) -> None:
         self.target = CachedModel(
             target,
@@ -93,6 +95,7 @@ class SpecDecoder:
         # first use) and prior acceptances per draft position.
         self._cost_model = cost_model
         self._measured: CostModel | None = None
+        self.timings = timings  # T(n) for sampled runs, the same in every process
         self.prior_alphas = tuple(prior_alphas)
         # Per drafter arm (a tuning profile's arm_alphas); other arms start from prior_alphas
         self.arm_priors = {arm: tuple(a) for arm, a in (arm_priors or {}).items()}
@@ -253,12 +256,27 @@ class SpecDecoder:
     def cost_model(self, prompt_ids: Sequence[int], gamma: int, *, fresh: bool = True) -> CostModel:
         """T(n) measured in this process (once; kernels and load differ between processes)
         with the given model's draft costs, if any. With fresh=False (sampling: a seed must
-        give the same output in every process) the given model as it is, when it covers γ.
+        give the same output in every process) the given model as it is, when it covers γ,
+        else T(n) from the timing store when there is one (timings.py).
         Without draft costs the adaptive schedule learns them while generating."""
         given = self._cost_model
         wanted = min(gamma + 1, self.context_length - 1)
         if not fresh and given is not None and len(given.verify_s) >= wanted:
             return given
+        if not fresh and self.timings is not None:
+            stored = self.timings.load()
+            if len(stored) < wanted:
+                stored = self.timings.keep(self._measure(prompt_ids, gamma).verify_s)
+            # The first `wanted` sizes only: a tree's larger verify passes are extrapolated
+            # from them, the same way whatever later runs appended.
+            verify_s = stored[:wanted]
+            return CostModel(verify_s) if given is None else replace(given, verify_s=verify_s)
+        measured = self._measure(prompt_ids, gamma)
+        return measured if given is None else replace(given, verify_s=measured.verify_s)
+
+    def _measure(self, prompt_ids: Sequence[int], gamma: int) -> CostModel:
+        """T(1)..T(γ + 1) timed in this process, once (again for a larger γ)."""
+        wanted = min(gamma + 1, self.context_length - 1)
         measured = self._measured
         if measured is None or len(measured.verify_s) < wanted:
             # Measured after (part of) this prompt, leaving room for gamma + 1 more tokens;
@@ -278,9 +296,7 @@ class SpecDecoder:
                 for arm, (s, read) in self.learned_catch_up.items()
             }
             self.machine_speed = 1.0
-        if given is None:
-            return measured
-        return replace(given, verify_s=measured.verify_s)
+        return measured
 
     def _check_request(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
         if config.model_gamma is not None and not has_arms(self.drafter):

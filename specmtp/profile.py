@@ -142,10 +142,15 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+def cache_root() -> Path:
+    """$SPECMTP_CACHE, else ~/.cache/specmtp: converted models, profiles, timings."""
+    return Path(os.environ.get("SPECMTP_CACHE") or "~/.cache/specmtp").expanduser()
+
+
 def default_profile_path(target: str, draft: str, dtype: str = "float32") -> Path:
     """Where tune writes, and `--gamma auto` looks, by default: one file per pair and
     dtype (costs differ by dtype; float32 keeps the plain pair name)."""
-    root = Path(os.environ.get("SPECMTP_CACHE") or "~/.cache/specmtp").expanduser()
+    root = cache_root()
     names = (target, draft) if dtype == "float32" else (target, draft, dtype)
     slug = "__".join(re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") for s in names)
     return root / "profiles" / f"{slug}.json"

@@ -7,7 +7,8 @@ A schedule is asked for each round's γ and told what the round did. Four kinds:
 - adaptive: per sequence, acceptance estimates α_i updated as tokens are accepted, and the γ
   that maximises expected tokens per second under a measured cost model (costmodel.py).
   Under sampling it ignores wall-clock timings (a seed must fix the output, and γ decides
-  how the generator's numbers are used): only acceptances and the given costs steer it.
+  how the generator's numbers are used): only acceptances and the given costs steer it,
+  costs that are the same in every process (a profile's, or T(n) stored: timings.py).
   It includes a never-slower guard: when no γ >= 1 is predicted to beat plain decoding,
   not even with the first position's acceptance at the top of what the sequence's longer
   record allows, it drafts nothing, and probes with γ = 1 now and then in case the text
