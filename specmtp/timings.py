@@ -11,7 +11,8 @@ So sampled runs without a profile read T(n) from a file kept per target weights,
 thread count and torch version. The first run times and stores it; every later run on the
 machine reads the same numbers, and a run that needs larger sizes appends them, keeping
 the stored ones. Greedy runs still time T(n) in their own process: their output does not
-depend on it, their speed does.
+depend on it, their speed does. The key leaves out the kernel plan (kernels.py): a bench
+measures one per process, and here the numbers must repeat, not follow the kernels.
 """
 
 from __future__ import annotations
