@@ -273,6 +273,9 @@ class SpecGenerator:
             prior_alphas=() if profile is None else profile.alphas,
             arm_priors={} if profile is None else profile.arm_alphas,
             timings=TimingStore.for_model(self.target.model),
+            draft_timings=None
+            if drafter is None
+            else TimingStore.for_model(self.target.model, drafter=drafter),
         )
         self.last_stats: GenerationStats | None = None
         self.last_tokens: list[int] = []

@@ -496,9 +496,14 @@ def run_bench(config: BenchConfig, *, log: Log = log_to_stderr) -> BenchResult:
     plan = measure_kernel_plan(plain.gen.decoder.target, ids[0], max_rows=_verify_rows(runners))
     if plan is not None:
         log(f"kernel plan (transposed product by rows): {plan.by_rows}; weights {plan.layout}")
+    passes = [config.generation] + [
+        replace(config.generation, sampling=replace(config.generation.sampling, temperature=t))
+        for t in config.temperatures
+    ]
     for runner in runners.values():
         if isinstance(runner, SpecRunner):
-            runner.prepare(ids[0], config.generation)
+            for generation in passes:  # sampled passes read stored costs (timings.py)
+                runner.prepare(ids[0], generation)
     for name, runner in runners.items():
         log(f"warming up {name} ({config.warmup}x)")
         for _ in range(config.warmup):
@@ -506,10 +511,8 @@ def run_bench(config: BenchConfig, *, log: Log = log_to_stderr) -> BenchResult:
     methods = _pass(runners, prompts, ids, config.generation, config, log)
     result = BenchResult(config, len(prompts), methods, kernel_plan=plan)
     result.by_temperature[str(config.generation.sampling.temperature)] = methods
-    for t in config.temperatures:
-        generation = replace(
-            config.generation, sampling=replace(config.generation.sampling, temperature=t)
-        )
+    for generation in passes[1:]:
+        t = generation.sampling.temperature
         result.by_temperature[str(t)] = _pass(runners, prompts, ids, generation, config, log)
     result.context_sweep = context_sweep(runners, prompts, target, config, log)
     result.gamma_sweep = _profile_sweeps(runners)

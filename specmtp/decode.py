@@ -7,6 +7,7 @@ fed at the start of the next verify pass together with the drafts.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -15,7 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors, tensor_bytes
-from specmtp.config import MEASURED_SCHEDULES, GenerationConfig
+from specmtp.config import MEASURED_SCHEDULES, GenerationConfig, SamplingConfig
 from specmtp.costmodel import CostModel, measure_verify_costs
 from specmtp.drafters import (
     LOOKUP_ARM,
@@ -79,6 +80,7 @@ class SpecDecoder:
         prior_alphas: Sequence[float] = (),
         arm_priors: Mapping[str, Sequence[float]] | None = None,
         timings: TimingStore | None = None,
+        draft_timings: TimingStore | None = None,
     ) -> None:
         self.target = CachedModel(
             target,
@@ -95,7 +97,9 @@ class SpecDecoder:
         # first use) and prior acceptances per draft position.
         self._cost_model = cost_model
         self._measured: CostModel | None = None
-        self.timings = timings  # T(n) for sampled runs, the same in every process
+        # For sampled runs: T(n) and the drafter's D(k), the same in every process.
+        self.timings = timings
+        self.draft_timings = draft_timings
         self.prior_alphas = tuple(prior_alphas)
         # Per drafter arm (a tuning profile's arm_alphas); other arms start from prior_alphas
         self.arm_priors = {arm: tuple(a) for arm, a in (arm_priors or {}).items()}
@@ -270,7 +274,15 @@ class SpecDecoder:
             # The first `wanted` sizes only: a tree's larger verify passes are extrapolated
             # from them, the same way whatever later runs appended.
             verify_s = stored[:wanted]
-            return CostModel(verify_s) if given is None else replace(given, verify_s=verify_s)
+            cost = CostModel(verify_s) if given is None else replace(given, verify_s=verify_s)
+            if cost.draft_s(1) > 0 or self.draft_timings is None:
+                return cost
+            # Without timing feedback nothing learns what a draft costs: taken as free,
+            # the target drafting for itself drafted γ 8 every round at 0.71x.
+            draft = self.draft_timings.load()
+            if len(draft) < 2:
+                draft = self.draft_timings.keep(self._measure_draft_cost(prompt_ids))
+            return replace(cost, draft_fixed_s=draft[0], draft_per_token_s=draft[1])
         measured = self._measure(prompt_ids, gamma)
         return measured if given is None else replace(given, verify_s=measured.verify_s)
 
@@ -297,6 +309,30 @@ class SpecDecoder:
             }
             self.machine_speed = 1.0
         return measured
+
+    @torch.inference_mode()
+    def _measure_draft_cost(self, prompt_ids: Sequence[int], k: int = 3) -> tuple[float, float]:
+        """(a, b) of D(k) = a + b·k for the drafter (a lookup-first drafter's model arm),
+        from proposals of 1 and k tokens after a prefill of the prompt, medians of 3 each;
+        the first proposal, which reads the prompt, is not timed."""
+        ids = list(prompt_ids)[: max(2, self.context_length - k - 1)]
+        context = torch.tensor([ids * 2 if len(ids) < 2 else ids], device=self.target.device)
+        drafter = getattr(self.drafter, "fallback", self.drafter)
+        assert drafter is not None  # only measured schedules with a drafter ask
+        self._prefill(context, GenerationStats(gamma=k))
+        greedy = SamplingConfig()
+        drafter.propose(context, k, greedy, None)
+        times: dict[int, list[float]] = {1: [], k: []}
+        for _ in range(3):
+            for size, seconds in times.items():
+                start = time.perf_counter()
+                drafter.propose(context, size, greedy, None)
+                seconds.append(time.perf_counter() - start)
+        self.target.reset()
+        drafter.reset()
+        one, many = (statistics.median(times[size]) for size in (1, k))
+        per_token = max(0.0, (many - one) / (k - 1))
+        return max(0.0, one - per_token), per_token
 
     def _check_request(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
         if config.model_gamma is not None and not has_arms(self.drafter):

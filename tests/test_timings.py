@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_VOCAB, perturbed_copy, tiny_model
+from test_schedule import VERIFY_S, ClockedDrafter, FakeTime
 from transformers import PreTrainedModel
 
-from specmtp import decode
+from specmtp import costmodel, decode
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
 from specmtp.drafters import DraftModelDrafter
@@ -90,9 +91,9 @@ def test_the_store_appends_larger_sizes_and_keeps_the_stored_ones(tmp_path: Path
     ("content", "reason"),
     [
         ("{not json", "Expecting"),
-        (json.dumps({"key": {"machine": 2}, "verify_s": [1.0]}), "another model or machine"),
-        (json.dumps({"key": {"machine": 1}, "verify_s": [0.0]}), "not positive"),
-        (json.dumps({"key": {"machine": 1}}), "verify_s"),
+        (json.dumps({"key": {"machine": 2}, "seconds": [1.0]}), "another model or machine"),
+        (json.dumps({"key": {"machine": 1}, "seconds": [-1.0]}), "negative"),
+        (json.dumps({"key": {"machine": 1}}), "seconds"),
     ],
 )
 def test_an_unreadable_store_is_reported_and_replaced(
@@ -117,3 +118,41 @@ def test_the_store_is_kept_per_model_and_thread_count(
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     assert TimingStore.for_model(target, root=tmp_path).path != store.path
+
+
+@pytest.mark.parametrize("stored_draft_costs", [True, False])
+def test_sampled_runs_know_what_a_draft_costs(
+    target: PreTrainedModel,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    stored_draft_costs: bool,
+) -> None:
+    """The target drafting for itself, each draft token costing a target step on a fake
+    clock: under sampling every draft is accepted (p = q), yet no γ pays. Without timing
+    feedback the draft cost must come from the store (timed once, before generating);
+    taken as free, the schedule drafted every round."""
+    clock = FakeTime()
+    monkeypatch.setattr(decode, "time", clock)
+    monkeypatch.setattr(costmodel, "time", clock)
+    drafter = ClockedDrafter(target, clock, per_token=VERIFY_S)
+    store = TimingStore.for_model(target, root=tmp_path)
+    draft_store = TimingStore.for_model(target, drafter=drafter, root=tmp_path)
+    decoder = SpecDecoder(
+        target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256, timings=store,
+        draft_timings=draft_store if stored_draft_costs else None,
+    )  # fmt: skip
+    forward = decoder.target.forward
+
+    def timed_forward(tokens: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        clock.now += VERIFY_S
+        return forward(tokens, **kwargs)
+
+    monkeypatch.setattr(decoder.target, "forward", timed_forward)
+    sampling = SamplingConfig(temperature=0.8)
+    config = GenerationConfig(40, 8, sampling, seed=3, schedule="adaptive")
+    stats = decoder.generate(PROMPT, config).stats
+    if stored_draft_costs:
+        assert draft_store.load() == pytest.approx((0.0, VERIFY_S))
+        assert stats.requested_gammas == {0: stats.rounds}  # plain decoding: nothing pays
+    else:
+        assert stats.drafted_tokens > stats.rounds  # drafts taken as free
