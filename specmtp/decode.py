@@ -219,21 +219,24 @@ class SpecDecoder:
         T(n) is timed up to the largest arm's γ + 1: `--gamma auto` allows up to 8, and for
         three MTP heads timing 9 sizes took 4.3-4.8 s of a one-shot `generate`, 4 sizes
         1.8-2.0 s (the default model, one thread)."""
-        gamma = config.gamma
-        drafter = self.drafter
-        if arm == MODEL_ARM:
-            gamma = config.model_gamma or gamma
-            drafter = getattr(drafter, "fallback", None)
-        depth = None if arm == LOOKUP_ARM else drafter_depth(drafter)
+        gamma = self._config_gamma(config, arm)
+        if arm == LOOKUP_ARM:
+            return gamma
+        depth = drafter_depth(getattr(self.drafter, "fallback", self.drafter))
         return gamma if depth is None else min(gamma, depth)
+
+    @staticmethod
+    def _config_gamma(config: GenerationConfig, arm: str) -> int:
+        """The γ the config gives an arm: `model_gamma`, if given, for the model arm."""
+        if arm == MODEL_ARM and config.model_gamma is not None:
+            return config.model_gamma
+        return config.gamma
 
     def _schedule(self, config: GenerationConfig, arm: str, cost: CostModel | None) -> Schedule:
         """The schedule of one drafter arm. The model arm of a lookup-first drafter starts
         from `model_gamma`; the lookup arm, whose drafts cost next to nothing, learns its own
         draft cost rather than take the model drafter's."""
-        gamma = config.gamma
-        if arm == MODEL_ARM and config.model_gamma is not None:
-            gamma = config.model_gamma
+        gamma = self._config_gamma(config, arm)
         if config.schedule == "heuristic":
             return HeuristicGamma(gamma)
         if cost is not None:

@@ -8,7 +8,6 @@ from conftest import TINY_VOCAB, hf_greedy, tiny_model
 from test_decode_tree import TREE
 from transformers import PreTrainedModel
 
-from specmtp import decode
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
 from specmtp.drafters import LookupFirstDrafter, MTPDrafter, Proposal
@@ -137,7 +136,7 @@ def test_sampled_mtp_chain_is_seeded(target: PreTrainedModel) -> None:
 )
 def test_auto_times_and_asks_no_more_drafts_than_the_heads_propose(
     target: PreTrainedModel,
-    monkeypatch: pytest.MonkeyPatch,
+    measurements: list[int],
     drafting: str,
     timed: list[int],
     asked: set[int] | None,
@@ -145,14 +144,6 @@ def test_auto_times_and_asks_no_more_drafts_than_the_heads_propose(
     """`--gamma auto` allows γ up to 8: three heads drafting a chain propose 3, so T(n) is
     timed for n <= 4 and the schedule chooses among 0..3. A tree's verify pass and a lookup
     arm are not bounded by the heads: timed up to γ + 1 as before."""
-    calls: list[int] = []
-    measure = decode.measure_verify_costs
-
-    def counting(*args: object, max_tokens: int, **kwargs: object) -> tuple[float, ...]:
-        calls.append(max_tokens)
-        return measure(*args, max_tokens=max_tokens, **kwargs)
-
-    monkeypatch.setattr(decode, "measure_verify_costs", counting)
     heads = trained_heads(target, "parallel", steps=60)
     drafter = MTPDrafter(heads, tree=TREE if drafting == "tree" else None)
     if drafting == "lookup first":
@@ -161,7 +152,7 @@ def test_auto_times_and_asks_no_more_drafts_than_the_heads_propose(
     config = GenerationConfig(max_new_tokens=40, gamma=8, schedule="adaptive")
     result = decoder.generate(PROMPT, config)
     assert result.tokens == hf_greedy(target, PROMPT, 40)
-    assert calls == timed
+    assert measurements == timed
     if asked is not None:
         assert set(result.stats.requested_gammas) <= asked
         assert result.stats.drafted_tokens > 0

@@ -616,20 +616,6 @@ def test_every_schedule_is_lossless_under_greedy(
     assert sum(result.stats.requested_gammas.values()) == result.stats.rounds
 
 
-@pytest.fixture
-def measurements(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the T(n) measurements the decoder makes, by their max_tokens."""
-    calls: list[int] = []
-    measure = decode.measure_verify_costs
-
-    def counting(*args: object, max_tokens: int, **kwargs: object) -> tuple[float, ...]:
-        calls.append(max_tokens)
-        return measure(*args, max_tokens=max_tokens, **kwargs)
-
-    monkeypatch.setattr(decode, "measure_verify_costs", counting)
-    return calls
-
-
 def test_adaptive_measures_a_cost_model_on_first_use(
     target: PreTrainedModel, reference: list[int], measurements: list[int]
 ) -> None:
