@@ -47,11 +47,14 @@ class CostModel:
     verify_s: tuple[float, ...]  # [N] seconds of one target forward over n = 1..N tokens
     draft_fixed_s: float = 0.0  # a: per drafting round (k >= 1)
     draft_per_token_s: float = 0.0  # b: per drafted token
+    # Per token a drafter with a cache of its own reads before drafting: a draft model's
+    # prompt, and the tokens of plain rounds (drafters.drafter_catch_up); 0: not known.
+    catch_up_per_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.verify_s or any(not t > 0 for t in self.verify_s):
             raise SpecMTPError("a cost model needs positive target costs T(1), T(2), ...")
-        if self.draft_fixed_s < 0 or self.draft_per_token_s < 0:
+        if min(self.draft_fixed_s, self.draft_per_token_s, self.catch_up_per_token_s) < 0:
             raise SpecMTPError("draft costs must be >= 0")
 
     def target_s(self, n: int) -> float:
@@ -85,6 +88,7 @@ class CostModel:
             tuple(t * target for t in self.verify_s),
             self.draft_fixed_s * draft,
             self.draft_per_token_s * draft,
+            self.catch_up_per_token_s * draft,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -92,6 +96,7 @@ class CostModel:
             "verify_s": {str(n): round(t, 6) for n, t in enumerate(self.verify_s, 1)},
             "draft_fixed_s": round(self.draft_fixed_s, 6),
             "draft_per_token_s": round(self.draft_per_token_s, 6),
+            "catch_up_per_token_s": round(self.catch_up_per_token_s, 6),
         }
 
     @classmethod
@@ -104,6 +109,7 @@ class CostModel:
                 tuple(costs[n] for n in range(1, len(costs) + 1)),
                 float(data.get("draft_fixed_s", 0.0)),
                 float(data.get("draft_per_token_s", 0.0)),
+                float(data.get("catch_up_per_token_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise SpecMTPError(f"bad cost model: {e}") from None

@@ -242,7 +242,9 @@ class SpecDecoder:
         if cost is not None:
             gamma = self._arm_gamma(config, arm)  # choices past what the arm proposes: none
             if arm == LOOKUP_ARM:
-                cost = replace(cost, draft_fixed_s=0.0, draft_per_token_s=0.0)
+                cost = replace(
+                    cost, draft_fixed_s=0.0, draft_per_token_s=0.0, catch_up_per_token_s=0.0
+                )
             # Sampling: γ must not depend on wall-clock timings, or a seed would not fix
             # the output (γ decides how the generator's numbers are used).
             measured = GuardedGamma if config.schedule == "guarded" else AdaptiveGamma
@@ -254,7 +256,7 @@ class SpecDecoder:
             )
             if config.sampling.greedy:
                 schedule.target_speed = self.machine_speed
-                schedule.catch_up_record = self.learned_catch_up.get(arm, (0.0, 0.0))
+                schedule.catch_up_record = self.learned_catch_up.get(arm, schedule.catch_up_record)
                 if schedule.learn_draft:
                     schedule.draft_per_token_s = self.learned_draft_s.get(arm, 0.0)
             return schedule
@@ -281,11 +283,13 @@ class SpecDecoder:
             if cost.draft_s(1) > 0 or self.draft_timings is None:
                 return cost
             # Without timing feedback nothing learns what a draft costs: taken as free,
-            # the target drafting for itself drafted γ 8 every round at 0.71x.
+            # the target drafting for itself drafted γ 8 every round at 0.71x. Nor what
+            # its catch-up costs: taken as free, it probed after plain rounds at 0.92x.
             draft = self.draft_timings.load()
-            if len(draft) < 2:
+            if len(draft) < 3:
                 draft = self.draft_timings.keep(self._measure_draft_cost(prompt_ids))
-            return replace(cost, draft_fixed_s=draft[0], draft_per_token_s=draft[1])
+            a, b, read = draft[:3]
+            return replace(cost, draft_fixed_s=a, draft_per_token_s=b, catch_up_per_token_s=read)
         measured = self._measure(prompt_ids, gamma)
         return measured if given is None else replace(given, verify_s=measured.verify_s)
 
@@ -314,17 +318,28 @@ class SpecDecoder:
         return measured
 
     @torch.inference_mode()
-    def _measure_draft_cost(self, prompt_ids: Sequence[int], k: int = 3) -> tuple[float, float]:
+    def _measure_draft_cost(
+        self, prompt_ids: Sequence[int], k: int = 3
+    ) -> tuple[float, float, float]:
         """(a, b) of D(k) = a + b·k for the drafter (a lookup-first drafter's model arm),
-        from proposals of 1 and k tokens after a prefill of the prompt, medians of 3 each;
-        the first proposal, which reads the prompt, is not timed."""
+        from proposals of 1 and k tokens after a prefill of the prompt, and the seconds per
+        token of its catch-up: what a proposal of k that first reads the prompt takes beyond
+        D(k), over the tokens read. Medians of 3 each."""
         ids = list(prompt_ids)[: max(2, self.context_length - k - 1)]
         context = torch.tensor([ids * 2 if len(ids) < 2 else ids], device=self.target.device)
         drafter = getattr(self.drafter, "fallback", self.drafter)
         assert drafter is not None  # only measured schedules with a drafter ask
-        self._prefill(context, GenerationStats(gamma=k))
         greedy = SamplingConfig()
-        drafter.propose(context, k, greedy, None)
+        self._prefill(context, GenerationStats(gamma=k))
+        catch_up = drafter_catch_up(drafter, context)
+        reads: list[float] = []
+        for _ in range(3 if catch_up else 1):  # the first proposal reads the prompt
+            drafter.reset()
+            if drafter.needs_target_hidden:
+                self._prefill(context, GenerationStats(gamma=k))
+            start = time.perf_counter()
+            drafter.propose(context, k, greedy, None)
+            reads.append(time.perf_counter() - start)
         times: dict[int, list[float]] = {1: [], k: []}
         for _ in range(3):
             for size, seconds in times.items():
@@ -335,7 +350,9 @@ class SpecDecoder:
         drafter.reset()
         one, many = (statistics.median(times[size]) for size in (1, k))
         per_token = max(0.0, (many - one) / (k - 1))
-        return max(0.0, one - per_token), per_token
+        fixed = max(0.0, one - per_token)
+        read_s = statistics.median(reads) - (fixed + per_token * k)
+        return fixed, per_token, max(0.0, read_s) / catch_up if catch_up else 0.0
 
     def _check_request(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
         if config.model_gamma is not None and not has_arms(self.drafter):

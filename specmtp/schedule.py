@@ -135,8 +135,10 @@ class AdaptiveGamma:
         self.learn_draft = cost.draft_s(1) == 0
         self.draft_per_token_s = 0.0
         # A draft model's catch-up: decayed sums of the seconds its catch-up rounds took
-        # beyond their drafts (at the cost model's speed) and of the tokens they read.
-        self.catch_up_record = (0.0, 0.0)
+        # beyond their drafts (at the cost model's speed) and of the tokens they read. A
+        # cost model's price per token read starts it, as if from one token.
+        read_s = cost.catch_up_per_token_s
+        self.catch_up_record = (read_s, 1.0) if read_s else (0.0, 0.0)
         self.unpriced_catch_up: tuple[RoundRecord, float] | None = None  # before a draft's cost
         self.verified: dict[int, int] = {}  # depth drafted -> tokens verified (trees: more)
         # Verify seconds seen per size n: T(n)'s shape changes with the context length

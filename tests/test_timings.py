@@ -15,6 +15,7 @@ from specmtp import costmodel, decode
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
 from specmtp.drafters import DraftModelDrafter
+from specmtp.stats import GenerationStats
 from specmtp.timings import TimingStore
 
 PROMPT = [5, 17, 3, 88, 41, 5, 17, 3, 60, 2]
@@ -120,21 +121,19 @@ def test_the_store_is_kept_per_model_and_thread_count(
     assert TimingStore.for_model(target, root=tmp_path).path != store.path
 
 
-@pytest.mark.parametrize("stored_draft_costs", [True, False])
-def test_sampled_runs_know_what_a_draft_costs(
+def sample_with_stored_costs(
     target: PreTrainedModel,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
-    stored_draft_costs: bool,
-) -> None:
-    """The target drafting for itself, each draft token costing a target step on a fake
-    clock: under sampling every draft is accepted (p = q), yet no γ pays. Without timing
-    feedback the draft cost must come from the store (timed once, before generating);
-    taken as free, the schedule drafted every round."""
-    clock = FakeTime()
+    drafter: ClockedDrafter,
+    stored_draft_costs: bool = True,
+) -> tuple[GenerationStats, TimingStore]:
+    """40 sampled tokens from `drafter` under the adaptive schedule, target forwards
+    taking VERIFY_S each on the drafter's fake clock, with T(n) and (if asked) the draft
+    costs in stores under tmp_path. Returns the run's stats and the draft costs' store."""
+    clock = drafter.clock
     monkeypatch.setattr(decode, "time", clock)
     monkeypatch.setattr(costmodel, "time", clock)
-    drafter = ClockedDrafter(target, clock, per_token=VERIFY_S)
     store = TimingStore.for_model(target, root=tmp_path)
     draft_store = TimingStore.for_model(target, drafter=drafter, root=tmp_path)
     decoder = SpecDecoder(
@@ -150,9 +149,50 @@ def test_sampled_runs_know_what_a_draft_costs(
     monkeypatch.setattr(decoder.target, "forward", timed_forward)
     sampling = SamplingConfig(temperature=0.8)
     config = GenerationConfig(40, 8, sampling, seed=3, schedule="adaptive")
-    stats = decoder.generate(PROMPT, config).stats
+    return decoder.generate(PROMPT, config).stats, draft_store
+
+
+@pytest.mark.parametrize("stored_draft_costs", [True, False])
+def test_sampled_runs_know_what_a_draft_costs(
+    target: PreTrainedModel,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    stored_draft_costs: bool,
+) -> None:
+    """The target drafting for itself, each draft token costing a target step on a fake
+    clock: under sampling every draft is accepted (p = q), yet no γ pays. Without timing
+    feedback the draft cost must come from the store (timed once, before generating);
+    taken as free, the schedule drafted every round."""
+    drafter = ClockedDrafter(target, FakeTime(), per_token=VERIFY_S)
+    stats, draft_store = sample_with_stored_costs(
+        target, monkeypatch, tmp_path, drafter, stored_draft_costs
+    )
     if stored_draft_costs:
-        assert draft_store.load() == pytest.approx((0.0, VERIFY_S))
+        assert draft_store.load() == pytest.approx((0.0, VERIFY_S, 0.0))  # reads cost nothing
         assert stats.requested_gammas == {0: stats.rounds}  # plain decoding: nothing pays
     else:
         assert stats.drafted_tokens > stats.rounds  # drafts taken as free
+
+
+def test_sampled_runs_know_what_reading_the_prompt_costs(
+    target: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Drafts cheap and always accepted (the target drafting for itself, under sampling),
+    but each token the draft model reads before its first draft costs six target steps:
+    its read of the 10-token prompt costs more than the 40 tokens of plain decoding. The
+    store times that price per token; taken as free (a store from before it was timed),
+    the schedule drafted and the run took longer."""
+    per_read = 6 * VERIFY_S
+    priced, draft_store = sample_with_stored_costs(
+        target, monkeypatch, tmp_path / "timed",
+        ClockedDrafter(target, FakeTime(), per_token=VERIFY_S / 10, per_read=per_read),
+    )  # fmt: skip
+    assert draft_store.load() == pytest.approx((0.0, VERIFY_S / 10, per_read))
+    assert priced.requested_gammas == {0: priced.rounds}
+    free = ClockedDrafter(target, FakeTime(), per_token=VERIFY_S / 10, per_read=per_read)
+    TimingStore.for_model(target, drafter=free, root=tmp_path / "free").keep(
+        (0.0, VERIFY_S / 10, 0.0)
+    )
+    unpriced, _ = sample_with_stored_costs(target, monkeypatch, tmp_path / "free", free)
+    assert unpriced.drafted_tokens > 0
+    assert priced.total_s < unpriced.total_s
