@@ -287,7 +287,7 @@ class SpecDecoder:
             # its catch-up costs: taken as free, it probed after plain rounds at 0.92x.
             draft = self.draft_timings.load()
             if len(draft) < 3:
-                draft = self.draft_timings.keep(self._measure_draft_cost(prompt_ids))
+                draft = self.draft_timings.keep(self.measure_draft_cost(prompt_ids))
             a, b, read = draft[:3]
             return replace(cost, draft_fixed_s=a, draft_per_token_s=b, catch_up_per_token_s=read)
         measured = self._measure(prompt_ids, gamma)
@@ -318,7 +318,7 @@ class SpecDecoder:
         return measured
 
     @torch.inference_mode()
-    def _measure_draft_cost(
+    def measure_draft_cost(
         self, prompt_ids: Sequence[int], k: int = 3
     ) -> tuple[float, float, float]:
         """(a, b) of D(k) = a + b·k for the drafter (a lookup-first drafter's model arm),

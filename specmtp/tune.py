@@ -361,6 +361,11 @@ def run_tune(config: TuneConfig, *, log: Log) -> Profile:
         runs = sweep_budgets(plain, spec, prompt_ids, trees, run, log)
         verify_s = _verify_costs(spec, prompt_ids, runs, config, log)
         profile = build_tree_profile(config, runs, trees, rank_probs, verify_s)
+    # What a draft model's catch-up costs per token read (its prompt, the tokens of plain
+    # rounds): the sweep's fixed γ never catches up past the prompt, which D(k) averages in.
+    read_s = spec.decoder.measure_draft_cost(prompt_ids[0])[2]
+    profile = replace(profile, cost_model=replace(profile.cost_model, catch_up_per_token_s=read_s))
+    log(f"catch-up: {read_s * 1e3:.3f} ms per token the drafter reads before drafting")
     profile.meta["kernel_plan"] = None if plan is None else plan.by_rows
     profile.meta["kernel_layout"] = None if plan is None else plan.layout
     profile.meta["weights"] = weights_fingerprints(target, spec.decoder.drafter)
