@@ -470,6 +470,27 @@ def test_adaptive_drafts_only_when_the_tokens_left_repay_a_catch_up() -> None:
     assert schedule.next_gamma(4000, catch_up=skipped) == 1
 
 
+def test_a_probe_must_repay_the_catch_up_itself() -> None:
+    """Drafts of 0.9 target steps: every draft accepted, γ 1 would be 2.6% faster and γ 3
+    3.9%. After the draft model sat out 20 tokens (half a step each to read), 300 tokens
+    left repay that at γ 3 but not at γ 1, the probe's length, and one accepted probe does
+    not take the estimates to γ 3: no probe. With 4000 tokens left, the probe repays it."""
+    per_draft = 0.9
+    schedule = AdaptiveGamma(target_cost(), max_gamma=3, prior=[1.0, 1.0, 1.0])
+    schedule.draft_per_token_s = per_draft
+    schedule.catch_up_record = (0.5, 1.0)
+    assert schedule.predicted_speedup(1, [1.0]) == pytest.approx(2 / 1.95)
+    assert schedule.predicted_speedup(3, [1.0] * 3) == pytest.approx(4 / 3.85)
+    for _ in range(30):  # drafts that miss: plain decoding, with probes
+        k = schedule.next_gamma(300)
+        schedule.update(RoundRecord(k, k, 0, k + 1, per_draft * k, 1.0 + 0.05 * k))
+    while schedule.next_gamma(300) == 0:
+        schedule.update(RoundRecord(0, 0, 0, 1, 0.0, 1.0))
+    assert schedule.next_gamma(300) == 1  # a probe is due: taken when catching up is free
+    assert schedule.next_gamma(300, catch_up=20) == 0
+    assert schedule.next_gamma(4000, catch_up=20) == 1
+
+
 def test_a_draft_model_counts_the_tokens_it_must_catch_up_on(target: PreTrainedModel) -> None:
     """A draft model reads what is new in the context before drafting: the prompt at first,
     nothing beyond the newest token while it drafts every round (its drafts are what it

@@ -95,6 +95,7 @@ def test_profile_contents(profile: Profile) -> None:
     assert len(profile.cost_model.verify_s) >= MAX_GAMMA + 1
     assert all(t > 0 for t in profile.cost_model.verify_s)
     assert profile.cost_model.draft_fixed_s >= 0 and profile.cost_model.draft_per_token_s >= 0
+    assert profile.cost_model.catch_up_per_token_s == 0.0  # lookup has no cache to catch up
     assert profile.meta["num_prompts"] == 2
     assert profile.meta["max_new_tokens"] == NEW_TOKENS
     assert profile.meta["torch_threads"] == 1
@@ -281,6 +282,7 @@ def _corrupt(data: dict[str, Any], path: list[str], value: Any) -> dict[str, Any
         (["cost_model", "verify_s"], {"1": 0.1, "3": 0.2}, "cover n = 1..n"),
         (["cost_model", "verify_s"], {"1": -0.1}, "positive target costs"),
         (["cost_model", "draft_fixed_s"], -1.0, "draft costs must be >= 0"),
+        (["cost_model", "catch_up_per_token_s"], -1.0, "draft costs must be >= 0"),
     ],
 )
 def test_corrupt_profile_data(profile: Profile, path: list[str], value: Any, message: str) -> None:
