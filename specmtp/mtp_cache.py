@@ -48,16 +48,28 @@ class SequentialDraftCache:
         self.reset()
 
     def reset(self) -> None:
-        self.hidden: torch.Tensor | None = None  # [B, T-1, H]: the target's h_0 .. h_{T-2}
+        self.fused: torch.Tensor | None = None  # [B, L, H]: depth 0's input at h_0 .. h_{L-1}
+        self.unfused: list[torch.Tensor] = []  # [B, m, F] each: features added since
         depths = len(self.heads.depths)
         self.kv: list[KV | None] = [None] * depths  # each [B, heads, L_i, d]
         self.states: list[torch.Tensor | None] = [None] * depths  # each [B, L_i, H]
 
     def add_hidden(self, hidden: torch.Tensor) -> None:
-        """The target's features [B, m, F] at the next m positions it has verified, kept
-        fused to depth 0's input [B, m, H] (heads reading several layers fuse them once)."""
-        hidden = self.heads.fuse(hidden)
-        self.hidden = hidden if self.hidden is None else torch.cat([self.hidden, hidden], 1)
+        """The target's features [B, m, F] at the next m positions it has verified. They
+        are fused to depth 0's input (heads reading several layers) when next needed, all
+        at once: a round of plain decoding adds one position, and fusing it there took
+        0.7 ms of a 55 ms step (the default model's heads, one thread)."""
+        self.unfused.append(hidden)
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """Depth 0's input [B, T-1, H] at the target's h_0 .. h_{T-2}."""
+        if self.unfused:
+            with torch.no_grad():
+                new = self.heads.fuse(torch.cat(self.unfused, 1))
+            self.fused = new if self.fused is None else torch.cat([self.fused, new], 1)
+            self.unfused = []
+        return self.fused
 
     def crop(self, tokens: int) -> None:
         """Keep only what depends on the first `tokens` tokens alone: their hidden states
@@ -65,7 +77,7 @@ class SequentialDraftCache:
         For a draft model, whose hidden states cover every token it has read and whose
         fed tokens may be rolled back."""
         if self.hidden is not None:
-            self.hidden = self.hidden[:, :tokens] if tokens > 0 else None
+            self.fused = self.hidden[:, :tokens] if tokens > 0 else None
         for i in range(len(self.heads.depths)):
             keep = max(0, min(self.cached(i), tokens - 1 - i))
             kv, states = self.kv[i], self.states[i]
@@ -87,7 +99,7 @@ class SequentialDraftCache:
 
     def nbytes(self) -> int:
         tensors = [t for kv in self.kv if kv is not None for t in kv]
-        tensors += [t for t in [self.hidden, *self.states] if t is not None]
+        tensors += [t for t in [self.fused, *self.unfused, *self.states] if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.no_grad()

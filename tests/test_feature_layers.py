@@ -92,6 +92,34 @@ def test_fused_heads_draft_over_the_history_as_in_training(target: PreTrainedMod
         t += 2
 
 
+def test_positions_added_between_drafts_are_fused_once_when_drafting(
+    target: PreTrainedModel,
+) -> None:
+    """Plain rounds add one position each; fusing each there cost 0.7 ms of a 55 ms step.
+    They wait for the next draft, which fuses them in one call and drafts as trained."""
+    heads = random_heads(target, LAYERS)
+    ids = torch.randint(1, TINY_VOCAB, (1, 16), generator=torch.Generator().manual_seed(6))
+    hidden = features(target, ids, LAYERS)  # [1, 16, 3H]
+    assert heads.fusion is not None
+    calls: list[int] = []
+    heads.fusion.register_forward_hook(lambda module, args, out: calls.append(1))
+    cache = SequentialDraftCache(heads)
+    t = 5
+    cache.add_hidden(hidden[:, : t - 1])
+    cache.draft(ids[:, :t], 2)
+    assert len(calls) == 1  # the prompt's features
+    for _ in range(4):  # four plain rounds: one position each
+        cache.add_hidden(hidden[:, t - 1 : t])
+        t += 1
+    assert len(calls) == 1
+    drafts, logits = cache.draft(ids[:, :t], 3)  # [1, 3], [1, 3, V']
+    assert len(calls) == 2
+    with torch.no_grad():  # teacher forcing over all the features: the training computation
+        padded = torch.cat([hidden[:, : t - 1], hidden.new_zeros(1, 4, hidden.shape[2])], 1)
+        every = heads.forward_all(padded, torch.cat([ids[:, :t], drafts], 1))
+    torch.testing.assert_close(logits, torch.stack([every[i][:, t - 2] for i in range(3)], 1))
+
+
 def test_greedy_decoding_with_fused_heads_equals_plain_decoding(target: PreTrainedModel) -> None:
     heads = random_heads(target, LAYERS)
     prompt = torch.randint(1, TINY_VOCAB, (9,), generator=torch.Generator().manual_seed(5))
