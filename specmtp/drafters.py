@@ -171,7 +171,10 @@ def drafter_catch_up(drafter: Drafter, context: torch.Tensor) -> int:
     none while it drafts every round (its drafts are what it read last), the tokens of the
     rounds it sat out, and a whole prompt at a sequence's start. A draft model reads them
     in one forward before its first draft, a cost the schedules price separately from a
-    draft's. 0 for drafters without a cache of their own (n-gram lookup, MTP heads)."""
+    draft's. 0 for n-gram lookup (no cache) and MTP heads: sequential depths do run over
+    the positions of the rounds they sat out when they next draft, but in the one call
+    that drafts, not priced (default model: a probe after plain rounds took about 7 ms,
+    a draft's stored cost is 5.1 ms)."""
     catch_up = getattr(drafter, "catch_up", None)
     return 0 if catch_up is None else catch_up(context)
 
