@@ -129,7 +129,7 @@ class SpecDecoder:
         self, prompt_ids: Sequence[int], config: GenerationConfig, stats: GenerationStats
     ) -> Iterator[list[int]]:
         """Yield the tokens committed by each round, with every stop already applied."""
-        self._check_request(prompt_ids, config)
+        self.check_request(prompt_ids, config)
         max_positions = self._max_positions(len(prompt_ids), config)
         cost = self.schedule_costs(prompt_ids, config)  # before the prefill: it runs the target
         schedules: dict[str, Schedule] = {}  # one per drafter arm (drafters.drafter_arm)
@@ -354,7 +354,8 @@ class SpecDecoder:
         read_s = statistics.median(reads) - (fixed + per_token * k)
         return fixed, per_token, max(0.0, read_s) / catch_up if catch_up else 0.0
 
-    def _check_request(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
+    def check_request(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
+        """A one-line error for a request that cannot run (before any work on it)."""
         if config.model_gamma is not None and not has_arms(self.drafter):
             raise SpecMTPError(
                 "a second gamma (for the model's rounds) needs an ngram+SPEC drafter"

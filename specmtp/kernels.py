@@ -192,11 +192,16 @@ def kernel_plan(model: nn.Module) -> KernelPlan | None:
 
 
 def measure_kernel_plan(
-    runner: CachedModel, prompt_ids: Sequence[int], *, max_rows: int = MAX_ROWS, repeats: int = 3
+    runner: CachedModel,
+    prompt_ids: Sequence[int],
+    *,
+    max_rows: int = MAX_ROWS,
+    repeats: int = 3,
+    layouts: Sequence[str] = LAYOUTS,
 ) -> KernelPlan | None:
-    """Time T(n) of the whole model under each weight layout and strategy; keep the layout
-    whose fastest strategies have the smaller geometric mean of T(n) over n (a 10% change
-    at one row weighs as much as at eight), and its fastest strategy per n.
+    """Time T(n) of the whole model under each weight layout (of `layouts`) and strategy;
+    keep the layout whose fastest strategies have the smaller geometric mean of T(n) over
+    n (a 10% change at one row weighs as much as at eight), and its fastest strategy per n.
 
     Layouts and strategies take turns sweep by sweep, so load changes hit them alike.
     Updates and returns the model's plan (None when its layers were not swapped).
@@ -209,7 +214,7 @@ def measure_kernel_plan(
     saved = plan.by_rows, plan.layout
     try:
         for _ in range(repeats):
-            for layout in LAYOUTS:
+            for layout in layouts:
                 set_weight_layout(runner.model, layout)
                 for strategy in STRATEGIES:
                     plan.by_rows = dict.fromkeys(range(1, rows + 1), strategy)
@@ -225,13 +230,13 @@ def measure_kernel_plan(
         layout: {
             n: min(STRATEGIES, key=lambda s: medians[layout, s][n - 1]) for n in range(1, rows + 1)
         }
-        for layout in LAYOUTS
+        for layout in layouts
     }
 
     def log_total(layout: str) -> float:  # every row count weighs alike, in relative terms
         return sum(math.log(max(medians[layout, s][n - 1], 1e-9)) for n, s in best[layout].items())
 
-    layout = min(LAYOUTS, key=log_total)
+    layout = min(layouts, key=log_total)
     set_weight_layout(runner.model, layout)
     plan.by_rows = best[layout]
     return plan

@@ -16,6 +16,13 @@ run that needs larger sizes appends them, keeping the stored ones. Greedy runs s
 T(n) in their own process: their output does not depend on it, their speed does. The key
 leaves out the kernel plan (kernels.py): a bench measures one per process, and here the
 numbers must repeat, not follow the kernels.
+
+The kernel plan itself (kernels.py: which product each row count uses) is measured once
+per machine for `generate` too, and kept here beside the timings (KernelPlanStore): a
+tuning profile carries one, but `generate` without a profile, fixed γ and plain decoding
+included, ran the loaded defaults: on this project's CPU (default model, float32, one
+thread, 128 tokens) 60.2 ms per token against 56.7 ms for plain decoding, and 43.2 against
+33.9 ms with the MTP heads at γ 4, whose 5-token verify passes the defaults run badly.
 """
 
 from __future__ import annotations
@@ -23,19 +30,43 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from specmtp.cache import CachedModel
 from specmtp.drafters import Drafter
+from specmtp.kernels import (
+    LAYOUTS,
+    MAX_ROWS,
+    STRATEGIES,
+    KernelPlan,
+    apply_kernel_plan,
+    kernel_plan,
+    measure_kernel_plan,
+)
 from specmtp.profile import cache_root, weights_fingerprint
 
 TIMINGS_VERSION = 1
+KERNELS_VERSION = 1
+
+
+def machine_key(model: torch.nn.Module) -> dict[str, Any]:
+    """What a forward of `model` costs depends on, as this process runs it: its weights,
+    dtype and device, the threads torch uses, and torch's version."""
+    return {
+        "weights": weights_fingerprint(model.parameters()),
+        "dtype": str(next(model.parameters()).dtype),
+        "device": str(next(model.parameters()).device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
 
 
 @dataclass(frozen=True)
@@ -53,14 +84,7 @@ class TimingStore:
         """The store for `model` as this process runs it: its weights, dtype, device, the
         threads torch uses and torch's version all change what a forward costs. With a
         drafter, the store of that drafter's costs next to this target."""
-        key: dict[str, Any] = {
-            "version": TIMINGS_VERSION,
-            "weights": weights_fingerprint(model.parameters()),
-            "dtype": str(next(model.parameters()).dtype),
-            "device": str(next(model.parameters()).device),
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-        }
+        key: dict[str, Any] = {"version": TIMINGS_VERSION, **machine_key(model)}
         if drafter is not None:
             key["drafter"] = getattr(drafter, "name", type(drafter).__name__)
             key["drafter_weights"] = weights_fingerprint(drafter.weight_tensors())
@@ -111,3 +135,97 @@ class TimingStore:
             if os.path.exists(name):
                 os.unlink(name)
         return seconds
+
+
+@dataclass(frozen=True)
+class KernelPlanStore:
+    """One file holding the kernel plan measured for `model` on this machine: the
+    strategy per row count and the weight layout (kernels.KernelPlan)."""
+
+    path: Path
+    key: dict[str, Any]
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, *, root: Path | None = None) -> KernelPlanStore:
+        """Keyed like the timings, and by the CPU: a cache shared by machines (a home
+        directory on a cluster) must not hand one CPU's kernels to another."""
+        key = {"version": KERNELS_VERSION, **machine_key(model), "cpu": _cpu_name()}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        return cls((root or cache_root()) / "kernels" / f"{digest}.json", key)
+
+    def load(self) -> tuple[dict[int, str], str] | None:
+        """(strategy per row count, layout), or None when nothing usable is stored; an
+        unreadable file is reported on stderr and read as none (the next store replaces it)."""
+        try:
+            found = json.loads(self.path.read_text())
+            if found["key"] != self.key:
+                raise ValueError("it was written for another model or machine")
+            by_rows = {int(rows): str(s) for rows, s in dict(found["by_rows"]).items()}
+            layout = str(found["layout"])
+            if not by_rows or set(by_rows.values()) - set(STRATEGIES) or layout not in LAYOUTS:
+                raise ValueError("its strategies or layout are not known ones")
+            return by_rows, layout
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            print(f"specmtp: ignoring stored kernel plan {self.path}: {error}", file=sys.stderr)
+            return None
+
+    def keep(self, plan: KernelPlan) -> None:
+        """Store `plan` (written whole, then renamed into place)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"key": self.key, "by_rows": plan.by_rows, "layout": plan.layout}
+        handle, name = tempfile.mkstemp(dir=self.path.parent, prefix=".kernels-")
+        with os.fdopen(handle, "w") as file:
+            file.write(json.dumps(data, indent=1))
+        os.replace(name, self.path)
+
+
+def use_stored_kernel_plan(
+    model: torch.nn.Module,
+    *,
+    rows: int,
+    context_length: int,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> KernelPlan | None:
+    """Run `model` with the kernel plan stored for it on this machine, measured first for
+    row counts 1..`rows` where the store has fewer (kernels.measure_kernel_plan after a
+    64-token context, twice per strategy, with the weights as loaded: the other layout
+    paid only for verify passes of 6 rows or more, on a Xeon with AMX, and timing it too
+    took the default model 27 s for 5 rows; now about 14 s, once). A plan is extended,
+    never changed: rows already stored keep their kernels, so `model`'s output on this
+    machine does not move with later measurements (the kernels' float addition orders
+    differ). Nothing to do for a model whose layers were not swapped (`--plain-kernels`)
+    or whose kernels were fixed for row-invariant numerics. Returns the plan in use."""
+    plan = kernel_plan(model)
+    if plan is None or plan.disabled or plan.row_invariant is not None:
+        return plan
+    rows = max(1, min(rows, MAX_ROWS))
+    store = KernelPlanStore.for_model(model)
+    stored = store.load()
+    if stored is not None and max(stored[0]) >= rows:
+        apply_kernel_plan(model, *stored)
+        return plan
+    log(f"specmtp: timing this machine's kernels for 1-{rows} rows, once: {store.path}")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    context = max(2, min(64, context_length - rows - 1))
+    runner = CachedModel(model, vocab_size=vocab)
+    layouts = ("out-major",) if stored is None else (stored[1],)
+    ids = [i % vocab for i in range(1, context + 1)]
+    measured = measure_kernel_plan(runner, ids, max_rows=rows, repeats=2, layouts=layouts)
+    assert measured is not None  # swapped layers: measured
+    if stored is not None:
+        measured.by_rows = {**measured.by_rows, **stored[0]}
+    store.keep(measured)
+    return measured
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (Linux), else what the platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -11,12 +11,13 @@ from conftest import TINY_VOCAB, perturbed_copy, tiny_model
 from test_schedule import VERIFY_S, ClockedDrafter, FakeTime
 from transformers import PreTrainedModel
 
-from specmtp import costmodel, decode
+from specmtp import costmodel, decode, timings
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
 from specmtp.drafters import DraftModelDrafter
+from specmtp.kernels import KernelPlan, use_tuned_linear
 from specmtp.stats import GenerationStats
-from specmtp.timings import TimingStore
+from specmtp.timings import KernelPlanStore, TimingStore, use_stored_kernel_plan
 
 PROMPT = [5, 17, 3, 88, 41, 5, 17, 3, 60, 2]
 # Two machines' T(n) (ms per n): verifying more is nearly free on one, dear on the other.
@@ -196,3 +197,67 @@ def test_sampled_runs_know_what_reading_the_prompt_costs(
     unpriced, _ = sample_with_stored_costs(target, monkeypatch, tmp_path / "free", free)
     assert unpriced.drafted_tokens > 0
     assert priced.total_s < unpriced.total_s
+
+
+@pytest.fixture
+def plan_measurements(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[dict]:
+    """A fresh cache; records each kernel-plan measurement's max_rows and layouts, and
+    makes the plan it returns pick `plain` for one row (what a later measurement on a
+    noisy machine might pick instead of what was stored)."""
+    monkeypatch.setenv("SPECMTP_CACHE", str(tmp_path / "cache"))
+    calls: list[dict] = []
+    measure = timings.measure_kernel_plan
+
+    def counting(*args: object, **kwargs: object) -> KernelPlan | None:
+        calls.append(kwargs)
+        plan = measure(*args, **kwargs)
+        if plan is not None and len(calls) > 1:
+            plan.by_rows[1] = "plain" if plan.by_rows[1] != "plain" else "even"
+        return plan
+
+    monkeypatch.setattr(timings, "measure_kernel_plan", counting)
+    return calls
+
+
+def test_the_kernel_plan_is_measured_once_per_machine_then_only_extended(
+    plan_measurements: list[dict], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tiny_model("llama", seed=3)
+    plan = use_tuned_linear(model)
+    assert use_stored_kernel_plan(model, rows=2, context_length=256) is plan
+    assert [c["max_rows"] for c in plan_measurements] == [2]
+    assert plan_measurements[0]["layouts"] == ("out-major",)  # the weights as loaded
+    first, layout = dict(plan.by_rows), plan.layout
+    assert set(first) == {1, 2} and "once" in capsys.readouterr().err
+
+    plan.by_rows = {}  # a new process: the default plan until the stored one is read
+    use_stored_kernel_plan(model, rows=2, context_length=256)
+    assert plan.by_rows == first and len(plan_measurements) == 1  # read, not measured
+
+    use_stored_kernel_plan(model, rows=4, context_length=256)  # more rows: extended
+    assert plan_measurements[1]["max_rows"] == 4 and plan_measurements[1]["layouts"] == (layout,)
+    assert set(plan.by_rows) == {1, 2, 3, 4} and plan.layout == layout
+    assert {n: plan.by_rows[n] for n in first} == first  # the stored rows keep their kernels
+    stored = json.loads(KernelPlanStore.for_model(model).path.read_text())
+    assert stored["by_rows"] == {str(n): s for n, s in plan.by_rows.items()}
+
+
+def test_an_unusable_stored_kernel_plan_is_reported_and_measured_again(
+    plan_measurements: list[dict], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tiny_model("llama", seed=3)
+    plan = use_tuned_linear(model)
+    store = KernelPlanStore.for_model(model)
+    store.path.parent.mkdir(parents=True)
+    store.path.write_text(json.dumps({"key": store.key, "by_rows": {"1": "fast"}, "layout": "x"}))
+    use_stored_kernel_plan(model, rows=1, context_length=256)
+    assert "ignoring stored kernel plan" in capsys.readouterr().err
+    assert len(plan_measurements) == 1 and set(plan.by_rows) == {1}
+    other = KernelPlanStore.for_model(tiny_model("llama", seed=4))
+    assert other.path != store.path  # other weights: another file
+
+
+def test_no_kernel_plan_is_stored_for_plain_kernels(plan_measurements: list[dict]) -> None:
+    model = tiny_model("llama", seed=3)  # layers not swapped: F.linear everywhere
+    assert use_stored_kernel_plan(model, rows=3, context_length=256) is None
+    assert plan_measurements == [] and not KernelPlanStore.for_model(model).path.exists()
