@@ -21,8 +21,8 @@ The kernel plan itself (kernels.py: which product each row count uses) is measur
 per machine for `generate` too, and kept here beside the timings (KernelPlanStore): a
 tuning profile carries one, but `generate` without a profile, fixed γ and plain decoding
 included, ran the loaded defaults: on this project's CPU (default model, float32, one
-thread, 128 tokens) 60.2 ms per token against 56.7 ms for plain decoding, and 43.2 against
-33.9 ms with the MTP heads at γ 4, whose 5-token verify passes the defaults run badly.
+thread, 128 tokens) 58.8 ms per token against 49.3 ms for plain decoding, and 39.6 against
+33.4 ms with the MTP heads at γ 4 (docs/tuning-and-measurement.md section 24).
 """
 
 from __future__ import annotations
