@@ -192,7 +192,7 @@ def use_stored_kernel_plan(
     row counts 1..`rows` where the store has fewer (kernels.measure_kernel_plan after a
     64-token context, twice per strategy, with the weights as loaded: the other layout
     paid only for verify passes of 6 rows or more, on a Xeon with AMX, and timing it too
-    took the default model 27 s for 5 rows; now about 14 s, once). A plan is extended,
+    took the default model about 27 s for 5 rows, against 7 s; once). A plan is extended,
     never changed: rows already stored keep their kernels, so `model`'s output on this
     machine does not move with later measurements (the kernels' float addition orders
     differ). Nothing to do for a model whose layers were not swapped (`--plain-kernels`)
