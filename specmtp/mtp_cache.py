@@ -87,10 +87,12 @@ class SequentialDraftCache:
             self.states[i] = None if keep == 0 else states[:, :keep]
 
     def bytes_per_position(self) -> int:
-        """Bytes a position adds: its hidden state, and each depth's key, value and state."""
+        """Bytes a position adds at most: its hidden state (the target's features, one
+        state per layer read, until fused), and each depth's key, value and state."""
         config = self.heads.config
         element = self.heads.projection.weight.element_size()
-        return config.hidden_size * (1 + 3 * config.num_heads) * element
+        features = len(config.feature_layers or (None,))
+        return config.hidden_size * (features + 3 * config.num_heads) * element
 
     def cached(self, depth: int) -> int:
         """Positions in this depth's cache (0 .. L_i - 1)."""

@@ -108,10 +108,14 @@ def test_positions_added_between_drafts_are_fused_once_when_drafting(
     cache.add_hidden(hidden[:, : t - 1])
     cache.draft(ids[:, :t], 2)
     assert len(calls) == 1  # the prompt's features
+    before = cache.nbytes()
     for _ in range(4):  # four plain rounds: one position each
         cache.add_hidden(hidden[:, t - 1 : t])
         t += 1
     assert len(calls) == 1
+    # Counted as held, unfused: the target's three states per position (float32).
+    assert cache.nbytes() - before == 4 * hidden.shape[-1] * 4
+    assert cache.bytes_per_position() == target.config.hidden_size * (3 + 3 * 3) * 4
     drafts, logits = cache.draft(ids[:, :t], 3)  # [1, 3], [1, 3, V']
     assert len(calls) == 2
     with torch.no_grad():  # teacher forcing over all the features: the training computation
