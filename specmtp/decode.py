@@ -369,6 +369,7 @@ class SpecDecoder:
             )
         if config.stop_strings and self.detokenize is None:
             raise SpecMTPError("stop strings need a tokenizer")
+        self._max_positions(len(prompt_ids), config)  # a memory budget too small: refused
 
     def _draft_limit(
         self, n: int, generated: int, config: GenerationConfig, max_positions: int | None
