@@ -47,6 +47,7 @@ from specmtp.models import DTYPES, LoadedModel, dtype_name, load_model
 from specmtp.profile import Profile, find_profile
 from specmtp.prompts import BenchPrompt, context_text, load_prompt_spec
 from specmtp.stats import GenerationStats, resident_bytes
+from specmtp.timings import use_stored_kernel_plan
 
 WARMUP_TOKENS = 8  # a warm-up only needs to touch every code path once
 PLAIN_STEP_TOLERANCE = 0.1  # warn when T(1) and ar's own steps differ by more than this
@@ -75,6 +76,11 @@ class BenchConfig:
     repeats: int = 1
     contexts: tuple[int, ...] = ()  # context-length sweep: prompt lengths in tokens
     context_prompts: int = 2  # prompts per context length
+    # The kernel plan: measured in this run (each process picks the fastest at the time),
+    # or the one stored for this machine (timings.use_stored_kernel_plan: the same in
+    # every run, as `generate` runs it; `ar` ran 12.8-19.3 tokens/s between processes
+    # that each measured their own).
+    stored_kernels: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -369,6 +375,7 @@ class BenchResult:
             "this run for every verify pass, the drafter's measured time and the prefill",
             "torch_threads": torch.get_num_threads(),
             "kernels": "tuned" if tuned_linear_enabled() else "plain",
+            "kernel_plan_from": "stored" if self.config.stored_kernels else "measured",
             "kernel_plan": None if self.kernel_plan is None else self.kernel_plan.by_rows,
             "kernel_layout": None if self.kernel_plan is None else self.kernel_plan.layout,
             # "flat" or "padded" products when half-precision forwards are row-invariant
@@ -493,7 +500,12 @@ def run_bench(config: BenchConfig, *, log: Log = log_to_stderr) -> BenchResult:
     warmup = replace(
         config.generation, max_new_tokens=min(WARMUP_TOKENS, config.generation.max_new_tokens)
     )
-    plan = measure_kernel_plan(plain.gen.decoder.target, ids[0], max_rows=_verify_rows(runners))
+    rows = _verify_rows(runners)
+    if config.stored_kernels:
+        context = target.context_length
+        plan = use_stored_kernel_plan(target.model, rows=rows, context_length=context, log=log)
+    else:
+        plan = measure_kernel_plan(plain.gen.decoder.target, ids[0], max_rows=rows)
     if plan is not None:
         log(f"kernel plan (transposed product by rows): {plan.by_rows}; weights {plan.layout}")
     passes = [config.generation] + [

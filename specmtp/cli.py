@@ -222,6 +222,12 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
         help="runs per prompt and method; the median latency counts (default %(default)s)",
     )
     bench.add_argument(
+        "--stored-kernels",
+        action="store_true",
+        help="run the kernel plan stored for this machine (as generate does; measured and "
+        "stored first if there is none) instead of one measured in this run",
+    )
+    bench.add_argument(
         "--out", type=Path, help="write a Markdown report, PNG plots and the raw JSON here"
     )
     bench.set_defaults(run=cmd_bench)
@@ -492,6 +498,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         contexts=_numbers(args.context, int, "--context"),
         context_prompts=args.context_prompts,
+        stored_kernels=args.stored_kernels,
     )
     result = run_bench(config)
     data = result.to_dict()

@@ -391,3 +391,29 @@ def test_costs_are_timed_after_the_median_prompt_and_half_its_plain_answer() -> 
         for i, tokens in enumerate([[7], [8] * 6, list(range(20, 28))])
     ]
     assert typical_context(ids, plain) == [5] * 5 + [20, 21, 22, 23]
+
+
+def test_stored_kernels_are_the_same_in_every_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, specmtp_cache: Path
+) -> None:
+    """`--stored-kernels`: the first run measures and stores a plan, the next reads it
+    (plans measured per run move with the machine's load, and `ar`'s speed with them)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for entry in specmtp_cache.iterdir():  # the converted models; no kernels stored
+        if entry.is_dir() and entry.name not in ("kernels", "profiles", "timings"):
+            (cache / entry.name).symlink_to(entry, target_is_directory=True)
+    monkeypatch.setenv("SPECMTP_CACHE", str(cache))
+    argv = ["bench", "--prompts", "random:1x12", "--draft", "ngram", "--stored-kernels", *FAST]
+    configs, logs = [], []
+    for _ in range(2):
+        code, out, err = run_captured(*argv)
+        assert code == 0, err
+        configs.append(json.loads(out.strip().splitlines()[-1])["config"])
+        logs.append(err)
+    assert "timing this machine's kernels" in logs[0]
+    assert "timing this machine's kernels" not in logs[1]
+    assert [c["kernel_plan_from"] for c in configs] == ["stored", "stored"]
+    assert configs[0]["kernel_plan"] == configs[1]["kernel_plan"]
+    (stored,) = (cache / "kernels").glob("*.json")
+    assert json.loads(stored.read_text())["by_rows"] == configs[0]["kernel_plan"]
