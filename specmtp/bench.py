@@ -76,10 +76,9 @@ class BenchConfig:
     repeats: int = 1
     contexts: tuple[int, ...] = ()  # context-length sweep: prompt lengths in tokens
     context_prompts: int = 2  # prompts per context length
-    # The kernel plan: measured in this run (each process picks the fastest at the time),
-    # or the one stored for this machine (timings.use_stored_kernel_plan: the same in
-    # every run, as `generate` runs it; `ar` ran 12.8-19.3 tokens/s between processes
-    # that each measured their own).
+    # The kernel plan: measured in this run (each process picks the fastest at the time,
+    # and may pick other kernels than the last), or the one stored for this machine
+    # (timings.use_stored_kernel_plan: the same in every run, as `generate` runs it).
     stored_kernels: bool = False
 
     def __post_init__(self) -> None:
