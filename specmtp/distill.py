@@ -31,10 +31,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from specmtp.cache import CachedModel
-from specmtp.checkpoint import load_latest_checkpoint, save_checkpoint
 from specmtp.costmodel import measure_verify_costs
 from specmtp.data import (
     DistillBatch,
@@ -58,13 +56,8 @@ from specmtp.models import DTYPES, LoadedModel, load_model
 from specmtp.mtp_loss import decaying_weights, mtp_losses, topk_kl
 from specmtp.parallel import DataParallel, make_accelerator
 from specmtp.text_data import TextChunks, iter_text_batches, load_texts, tokenize_chunks
-from specmtp.train import (
-    MetricsLog,
-    answer_token_counts,
-    bf16_autocast,
-    endless_batches,
-    set_lr,
-)
+from specmtp.train import answer_token_counts
+from specmtp.trainer import Logged, Objective, run_training
 
 OBJECTIVES = ("distill", "text")
 
@@ -166,43 +159,19 @@ def train_draft(config: DistillTrainConfig) -> DistillReport | None:
         return DistillReport(0, {}, data.tokens, 0, 0.0, seconds) if parallel.is_main else None
     draft = _build_draft(config, target, data).float()  # float32 master weights
     draft.to(accelerator.device)
-    trainable = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
-    identity = _run_identity(config, target, draft, data, processes=parallel.processes)
-    checkpoints = config.out / "checkpoints"
-    step = load_latest_checkpoint(checkpoints, module=draft, optimizer=optimizer, identity=identity)
-    metrics = MetricsLog(config.out / "metrics.jsonl", resume_after=step, write=parallel.is_main)
-    batches = parallel.share(
-        endless_batches(
-            lambda seed: data.batches("train", seed),
-            seed=config.seed,
-            skip=step * parallel.processes,
-        )
-    )
     weights = decaying_weights(config.mtp_heads, config.mtp_decay) if config.mtp_heads else []
-    quiet = None if parallel.is_main else True  # None: tqdm's own choice (a terminal or not)
-    bar = tqdm(total=config.steps, initial=step, desc="distill", disable=quiet)
+    objective = Objective(
+        module=draft,
+        losses=lambda batch: _step_losses(draft, batch, config.objective, weights),
+        evaluate=lambda: evaluate(draft, data, config, weights),
+        one_pass=lambda seed: data.batches("train", seed),
+        identity=_run_identity(config, target, draft, data, processes=parallel.processes),
+        shown=("loss", "accuracy"),
+    )
     draft.train()
-    while step < config.steps:
-        set_lr(optimizer, config, step)
-        batch = next(batches).to(accelerator.device)
-        with bf16_autocast(accelerator, config.mixed_precision):
-            losses = draft_losses(draft, batch, config.objective, weights)
-        parallel.update(losses["loss"], optimizer, trainable)
-        step += 1
-        values = parallel.mean([float(v.detach()) for v in losses.values()])
-        record = {k: round(v, 4) for k, v in zip(losses, values, strict=True)}
-        bar.update(1)
-        bar.set_postfix(loss=record["loss"], acc=record["accuracy"])
-        metrics.write(step=step, **record)
-        if parallel.is_main and (step % config.checkpoint_every == 0 or step == config.steps):
-            save_checkpoint(
-                checkpoints, step=step, module=draft, optimizer=optimizer, identity=identity
-            )
-        if parallel.is_main and (step % config.eval_every == 0 or step == config.steps):
-            metrics.write(step=step, split="heldout", **evaluate(draft, data, config, weights))
-    bar.close()
-    parallel.check_in_step(trainable)
+    step = run_training(
+        objective, config, name="distill", accelerator=accelerator, parallel=parallel
+    )
     draft.eval()
     if not parallel.is_main:
         accelerator.wait_for_everyone()
@@ -211,7 +180,8 @@ def train_draft(config: DistillTrainConfig) -> DistillReport | None:
     saved = load_draft(config.out / "draft", target=target.model)  # as it will draft
     report = DistillReport(
         step, evaluate(draft, data, config, weights), data.tokens,
-        sum(p.numel() for p in trainable), step_cost_ratio(saved, target),
+        sum(p.numel() for p in draft.parameters() if p.requires_grad),
+        step_cost_ratio(saved, target),
         time.perf_counter() - start_time,
     )  # fmt: skip
     (config.out / "report.json").write_text(json.dumps(asdict(report), indent=1))
@@ -300,6 +270,14 @@ def _continued_draft(config: DistillTrainConfig, target: LoadedModel) -> DraftLM
     body = {k: v for k, v in start.state_dict().items() if not k.startswith("heads.")}
     draft.load_state_dict(body, strict=False)
     return draft.requires_grad_(True)
+
+
+def _step_losses(
+    draft: DraftLM, batch: DistillBatch, objective: str, weights: list[float]
+) -> tuple[torch.Tensor, Logged]:
+    """One step's loss, and every value of `draft_losses` for the log."""
+    losses = draft_losses(draft, batch, objective, weights)
+    return losses["loss"], {key: float(value.detach()) for key, value in losses.items()}
 
 
 def draft_losses(

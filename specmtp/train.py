@@ -12,19 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
-from tqdm.auto import tqdm
 
-from specmtp.checkpoint import load_latest_checkpoint, save_checkpoint
 from specmtp.data import (
     DistillBatch,
     DistillCache,
@@ -51,9 +46,9 @@ from specmtp.heads import (
 from specmtp.models import DTYPES, LoadedModel, load_model
 from specmtp.mtp_loss import RANKS, decaying_weights, mtp_losses
 from specmtp.parallel import DataParallel, make_accelerator
+from specmtp.trainer import Logged, Objective, run_training
 from specmtp.tree import TREE_FILE, best_tree
 
-WARMUP_STEPS = 50
 HEAD_OBJECTIVES = ("tokens", "kl")
 KL_TOPK = 20  # target log-probabilities cached per position when --objective kl builds data
 # Nodes of the token tree written beside the heads: on a CPU, verifying 16 tokens costs
@@ -158,50 +153,21 @@ def train_mtp(config: TrainConfig) -> TrainReport | None:
         heads = build_heads(heads_config, target.model)
     heads = heads.float()  # float32 master weights
     heads.to(accelerator.device)
-    trainable = [p for p in heads.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
     identity = run_identity(config, target, cache, heads_config, processes=parallel.processes)
-    checkpoints = config.out / "checkpoints"
-    step = load_latest_checkpoint(checkpoints, module=heads, optimizer=optimizer, identity=identity)
-    metrics = MetricsLog(config.out / "metrics.jsonl", resume_after=step, write=parallel.is_main)
-    batches = parallel.share(
-        endless_batches(
-            lambda seed: iter_batches(
-                cache, batch_size=config.batch_size, seq_len=config.seq_len, seed=seed,
-                heldout_fraction=config.heldout_fraction,
-            ),
-            seed=config.seed, skip=step * parallel.processes,
-        )
+    objective = Objective(
+        module=heads,
+        losses=lambda batch: _step_losses(heads, batch, config),
+        evaluate=lambda: {"acc": evaluate(heads, cache, config)},
+        one_pass=lambda seed: iter_batches(
+            cache, batch_size=config.batch_size, seq_len=config.seq_len, seed=seed,
+            heldout_fraction=config.heldout_fraction,
+        ),
+        identity=identity,
+        shown=("loss", "acc"),
     )  # fmt: skip
-    weights = decaying_weights(config.num_heads, config.decay)
-    quiet = None if parallel.is_main else True  # None: tqdm's own choice (a terminal or not)
-    bar = tqdm(total=config.steps, initial=step, desc="train-mtp", disable=quiet)
-    while step < config.steps:
-        batch = next(batches).to(accelerator.device)
-        set_lr(optimizer, config, step)
-        with bf16_autocast(accelerator, config.mixed_precision):
-            losses = mtp_losses(
-                heads, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights,
-                target_topk=target_topk(batch, config), label_ids=label_ids(batch, config),
-            )  # fmt: skip
-        parallel.update(losses.loss, optimizer, trainable)
-        step += 1
-        n = config.num_heads
-        loss, *rest = parallel.mean(
-            [losses.loss.item(), *losses.per_head_ce, *losses.per_head_accuracy]
-        )
-        accs = [round(a, 3) for a in rest[n:]]
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", acc=accs)
-        metrics.write(step=step, loss=loss, ce=rest[:n], acc=accs)
-        if parallel.is_main and (step % config.checkpoint_every == 0 or step == config.steps):
-            save_checkpoint(
-                checkpoints, step=step, module=heads, optimizer=optimizer, identity=identity
-            )
-        if parallel.is_main and (step % config.eval_every == 0 or step == config.steps):
-            metrics.write(step=step, split="heldout", acc=evaluate(heads, cache, config))
-    bar.close()
-    parallel.check_in_step(trainable)
+    step = run_training(
+        objective, config, name="train-mtp", accelerator=accelerator, parallel=parallel
+    )
     if not parallel.is_main:
         accelerator.wait_for_everyone()
         return None
@@ -230,12 +196,21 @@ def _write_heads(
     return rank_probs
 
 
-def bf16_autocast(accelerator: Accelerator, mixed_precision: str) -> torch.autocast:
-    """bfloat16 autocast on the accelerator's device when asked ("bf16"), else a no-op.
-    torch's own autocast, not Accelerator(mixed_precision=...): accelerate keeps that
-    setting in a process-wide state that a second run in one process cannot change."""
-    device = accelerator.device.type
-    return torch.autocast(device, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
+def _step_losses(
+    heads: Heads, batch: DistillBatch, config: TrainConfig
+) -> tuple[torch.Tensor, Logged]:
+    """One step's loss Σ λ_i CE_i (or KL), and its per-head CE and top-1 accuracy."""
+    weights = decaying_weights(config.num_heads, config.decay)
+    losses = mtp_losses(
+        heads, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights,
+        target_topk=target_topk(batch, config), label_ids=label_ids(batch, config),
+    )  # fmt: skip
+    logged: Logged = {
+        "loss": losses.loss.item(),
+        "ce": list(losses.per_head_ce),
+        "acc": list(losses.per_head_accuracy),
+    }
+    return losses.loss, logged
 
 
 def _data_cache(config: TrainConfig, target: LoadedModel) -> DistillCache:
@@ -407,32 +382,6 @@ def label_ids(batch: DistillBatch, config: TrainConfig) -> torch.Tensor | None:
     return torch.cat([batch.input_ids[:, :1], top1], dim=1)  # [B, T]; token 0 is no label
 
 
-def endless_batches(
-    one_pass: Callable[[int], Iterable[DistillBatch]], *, seed: int, skip: int
-) -> Iterator[DistillBatch]:
-    """Passes `one_pass(seed + e)` for epochs e = 0, 1, ...; the first `skip` batches are
-    passed over (resume)."""
-    epoch, seen = 0, 0
-    while True:
-        for batch in one_pass(seed + epoch):
-            seen += 1
-            if seen > skip:
-                yield batch
-        epoch += 1
-
-
-def set_lr(optimizer: torch.optim.Optimizer, config: TrainConfig, step: int) -> None:
-    """Linear warm-up, then cosine decay to a tenth: a function of the step, so resuming
-    needs no scheduler state."""
-    if step < WARMUP_STEPS:
-        scale = (step + 1) / WARMUP_STEPS
-    else:
-        progress = (step - WARMUP_STEPS) / max(1, config.steps - WARMUP_STEPS)
-        scale = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    for group in optimizer.param_groups:
-        group["lr"] = config.lr * scale
-
-
 @torch.no_grad()
 def rank_probabilities(heads: Heads, cache: DistillCache, config: TrainConfig) -> list[list[float]]:
     """[head][r]: how often the held-out label is the head's rank-r candidate. Rank 0 is
@@ -461,26 +410,3 @@ def rank_probabilities(heads: Heads, cache: DistillCache, config: TrainConfig) -
 def evaluate(heads: Heads, cache: DistillCache, config: TrainConfig) -> list[float]:
     """Per-head top-1 accuracy on the held-out answers."""
     return [row[0] for row in rank_probabilities(heads, cache, config)]
-
-
-class MetricsLog:
-    """metrics.jsonl, one object per line. On resume the lines past the checkpoint are
-    dropped, since those steps run again."""
-
-    def __init__(self, path: Path, *, resume_after: int, write: bool = True) -> None:
-        self.path, self.enabled = path, write  # several processes: the main one writes
-        if not write:
-            return
-        kept = []
-        if path.exists():
-            kept = [
-                line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_after
-            ]  # fmt: skip
-        path.write_text("".join(line + "\n" for line in kept))
-
-    def write(self, **record: Any) -> None:
-        if not self.enabled:
-            return
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")

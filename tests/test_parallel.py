@@ -23,7 +23,8 @@ from specmtp.heads import HEADS_CONFIG, HeadsConfig, build_heads
 from specmtp.models import load_model
 from specmtp.mtp_loss import decaying_weights, mtp_losses
 from specmtp.parallel import DataParallel
-from specmtp.train import TrainConfig, endless_batches, set_lr, target_topk
+from specmtp.train import TrainConfig, target_topk
+from specmtp.trainer import endless_batches, set_lr
 
 STEPS, PROCESSES = 3, 2
 
