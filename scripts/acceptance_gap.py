@@ -19,9 +19,10 @@ from collections import defaultdict
 
 import torch
 
-from specmtp import bench
+from specmtp import bench, bench_runners
 from specmtp.config import GenerationConfig
-from specmtp.heads import Heads, load_heads, shipped_heads_dir, target_features
+from specmtp.heads import Heads, target_features
+from specmtp.heads_io import load_heads, shipped_heads_dir
 from specmtp.models import LoadedModel, load_model
 
 
@@ -58,8 +59,8 @@ def main() -> None:
     dirs = args.heads or [str(shipped_heads_dir())]
     all_heads = [load_heads(d, target_model=target.model)[0].float().eval() for d in dirs]
     base = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    ar = bench.build_runner("ar", target, base)
-    mtp = bench.build_runner(f"mtp:{dirs[0]}@1", target, base) if args.loop else None
+    ar = bench_runners.build_runner("ar", target, base)
+    mtp = bench_runners.build_runner(f"mtp:{dirs[0]}@1", target, base) if args.loop else None
     selection = bench.BenchConfig(
         prompts=(args.prompts,), per_category=args.per_category, limit=args.limit
     )

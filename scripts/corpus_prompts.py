@@ -22,7 +22,7 @@ import random
 import re
 from pathlib import Path
 
-from specmtp.data import load_train_prompts
+from specmtp.train_prompts import load_train_prompts
 
 NON_FICTION = [
     "Summarize the following passage in a few sentences.\n\n{p}",

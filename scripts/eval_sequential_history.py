@@ -16,7 +16,7 @@ import torch
 
 from specmtp import heads as heads_module
 from specmtp.data import DistillCache
-from specmtp.heads import load_heads
+from specmtp.heads_io import load_heads
 from specmtp.models import DTYPES, load_model
 from specmtp.train import TrainConfig, evaluate
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from specmtp.cache import CachedModel
-from specmtp.heads import load_heads, shipped_heads_dir
+from specmtp.heads_io import load_heads, shipped_heads_dir
 from specmtp.models import load_model
 
 LAYERS = (2, 15, 30)

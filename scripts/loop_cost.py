@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from specmtp import bench
+from specmtp import bench, bench_runners
 from specmtp.config import GenerationConfig
 from specmtp.kernels import measure_kernel_plan
 from specmtp.models import load_model
@@ -38,14 +38,14 @@ def main() -> None:
         path.write_text(chosen[0] + "\n")
         target = load_model("default")
         base = GenerationConfig(max_new_tokens=args.max_new_tokens)
-        runners = {m: bench.build_runner(m, target, base) for m in args.methods}
+        runners = {m: bench_runners.build_runner(m, target, base) for m in args.methods}
         plain = runners[args.methods[0]]
-        assert isinstance(plain, bench.SpecRunner)
+        assert isinstance(plain, bench_runners.SpecRunner)
         prompts = bench._load_prompts(bench.BenchConfig(prompts=(str(path),)), target)
     ids = bench._encode(plain.gen, prompts[0])
     measure_kernel_plan(plain.gen.decoder.target, ids, max_rows=5)
     for runner in runners.values():  # as the bench does: T(n) before any timed run
-        if isinstance(runner, bench.SpecRunner):
+        if isinstance(runner, bench_runners.SpecRunner):
             runner.prepare(ids, base)
     for _ in range(args.repeats):
         for name, runner in runners.items():

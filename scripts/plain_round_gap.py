@@ -13,7 +13,7 @@ import statistics
 
 import torch
 
-from specmtp import bench
+from specmtp import bench_runners
 from specmtp.config import GenerationConfig
 from specmtp.models import load_model
 from specmtp.prompts import random_prompts
@@ -29,12 +29,12 @@ def main() -> None:
     torch.set_num_threads(1)
     target = load_model("default")
     base = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    runners = {m: bench.build_runner(m, target, base) for m in args.methods}
+    runners = {m: bench_runners.build_runner(m, target, base) for m in args.methods}
     vocab = target.model.config.vocab_size
     prompts = [list(p.ids or ()) for p in random_prompts(vocab_size=vocab, count=args.prompts,
                                                          length=64, seed=0)]  # fmt: skip
     for runner in runners.values():  # as the bench does: T(n) before any timed run
-        if isinstance(runner, bench.SpecRunner):
+        if isinstance(runner, bench_runners.SpecRunner):
             runner.prepare(prompts[0], base)
     per_round: dict[str, list[float]] = {m: [] for m in args.methods}
     for _ in range(args.repeats):

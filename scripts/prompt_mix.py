@@ -1,8 +1,8 @@
 """One prompt file from slices of several prompt sources, for a training mixture.
 
 Each SOURCE:START:COUNT takes prompts START .. START+COUNT-1 of that source in the order
-`--limit-per-source` takes them with seed 0 (`specmtp.data.source_prompts`), so a slice can
-skip the prompts an earlier run took with `--limit-per-source START`:
+`--limit-per-source` takes them with seed 0 (`specmtp.train_prompts.source_prompts`), so a
+slice can skip the prompts an earlier run took with `--limit-per-source START`:
 
     python scripts/prompt_mix.py --out mix.jsonl \
         runs/brown-prompts.jsonl:600:500 ../shared/train_prompts/gsm8k_train:500:250
@@ -16,8 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
-from specmtp.data import source_prompts
 from specmtp.errors import SpecMTPError
+from specmtp.train_prompts import source_prompts
 
 
 def parse_slice(spec: str) -> tuple[Path, int, int]:

@@ -23,7 +23,7 @@ from typing import Any
 
 from schedule_replay import BeforeRules
 
-from specmtp import bench, cli
+from specmtp import bench, bench_runners, cli
 from specmtp.report_values import methods_of
 from specmtp.schedule import AdaptiveGamma, AdaptiveSettings
 from specmtp.schedule_report import schedule_rows, schedule_summary
@@ -31,16 +31,16 @@ from specmtp.schedule_report import schedule_rows, schedule_summary
 SCRIPT = "scripts/schedule_ab.py"
 BEFORE = "@auto-before"
 BEFORE_SETTINGS = AdaptiveSettings(long_decay=AdaptiveSettings.decay, confidence=0.0)
-build_runner = bench.build_runner
+build_runner = bench_runners.build_runner
 
 
-def build_runner_with_before(spec: str, *args: Any, **kwargs: Any) -> bench.Runner:
+def build_runner_with_before(spec: str, *args: Any, **kwargs: Any) -> bench_runners.Runner:
     if not spec.endswith(BEFORE):
         return build_runner(spec, *args, **kwargs)
     runner = build_runner(spec.removesuffix(BEFORE) + "@auto", *args, **kwargs)
-    assert isinstance(runner, bench.SpecRunner)
+    assert isinstance(runner, bench_runners.SpecRunner)
     decoder = runner.gen.decoder
-    schedule_of = decoder._schedule
+    schedule_of = decoder.schedules.for_arm
 
     def before_schedule(*a: Any, **k: Any) -> Any:
         schedule = schedule_of(*a, **k)
@@ -54,7 +54,7 @@ def build_runner_with_before(spec: str, *args: Any, **kwargs: Any) -> bench.Runn
             timing_feedback=schedule.timing_feedback,
         )
 
-    decoder._schedule = before_schedule  # type: ignore[method-assign]
+    decoder.schedules.for_arm = before_schedule  # type: ignore[method-assign]
     return runner
 
 

@@ -19,17 +19,14 @@ from specmtp.draft_model import (
     load_draft,
     shipped_drafts_dir,
 )
-from specmtp.drafters import (
-    Drafter,
-    DraftModelDrafter,
-    LookupFirstDrafter,
-    MTPDrafter,
-    NgramDrafter,
-)
+from specmtp.draft_model_drafter import DraftModelDrafter
+from specmtp.drafters import Drafter, LookupFirstDrafter, NgramDrafter
 from specmtp.errors import SpecMTPError
-from specmtp.heads import SequentialMTP, load_heads, shipped_heads_dir
+from specmtp.heads import SequentialMTP
+from specmtp.heads_io import load_heads, shipped_heads_dir
 from specmtp.kernels import apply_kernel_plan, tuned_linear_enabled, use_tuned_linear
 from specmtp.models import LoadedModel, check_tokenizers_agree, load_model, usable_vocab_size
+from specmtp.mtp_drafter import MTPDrafter
 from specmtp.output_vocab import output_vocab_ids
 from specmtp.profile import Profile, check_profile_weights, weights_fingerprint
 from specmtp.specs import DRAFT_HEADS, OUTPUT_VOCAB, TREE_NODES, split_count, split_heads

@@ -5,17 +5,8 @@ with the same settings on one loaded target. Methods are interleaved per prompt 
 ar, m1, m2; prompt 2: ...) so machine noise hits all of them alike. Definitions of every
 reported figure are in bench_results.
 
-A method is named by a spec:
-- `DRAFT[@GAMMA]`: our decoder with a draft (see api.build_drafter); GAMMA is N, `auto`
-  (adaptive schedule, from the pair's tuning profile if any), `best` (the profile's fastest
-  fixed γ), `hf` (Hugging Face's +2/-1 schedule run by our engine) or `guard:N` (N behind
-  the never-slower guard: plain rounds while N is predicted not to pay); default: --gamma.
-- `hf-assisted:MODEL[@N]`: transformers' own assisted generation with MODEL as assistant,
-  N drafts per round; `@default` runs HF's own defaults instead (draft length, schedule and
-  the confidence threshold that stops drafting early), as a user who sets nothing gets.
-- `hf-prompt-lookup[:N][@N]`: transformers' prompt lookup (longest n-gram N).
-Hugging Face's methods run with stock kernels (F.linear), as its users run them; ours use
-the measured kernel plan unless --plain-kernels.
+Methods are named by specs (`DRAFT[@GAMMA]`, `hf-assisted:MODEL[@N]`,
+`hf-prompt-lookup[:N][@N]`), which bench_runners turns into runners and describes.
 """
 
 from __future__ import annotations
@@ -25,34 +16,24 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from specmtp.api import SpecGenerator, eos_token_ids, gamma_settings
+from specmtp.api import SpecGenerator, gamma_settings
 from specmtp.bench_results import BASELINE, MethodResult, PromptRun, step_in_runs, table
+from specmtp.bench_runners import Runner, SpecRunner, build_runner, verify_rows
 from specmtp.config import GenerationConfig
 from specmtp.costmodel import CostModel, measure_verify_costs
-from specmtp.drafters import drafter_tree, has_arms
 from specmtp.errors import SpecMTPError
-from specmtp.hf_baselines import HFGenerator, HFRun, HFSettings, hf_default_assisted
-from specmtp.kernels import (
-    MAX_ROWS,
-    KernelPlan,
-    measure_kernel_plan,
-    stock_kernels,
-    tuned_linear_enabled,
-)
-from specmtp.models import DTYPES, LoadedModel, dtype_name, load_model
-from specmtp.profile import Profile, find_profile
+from specmtp.kernels import KernelPlan, measure_kernel_plan, tuned_linear_enabled
+from specmtp.models import DTYPES, LoadedModel, load_model
+from specmtp.mtp_drafter import drafter_tree
 from specmtp.prompts import BenchPrompt, context_text, load_prompt_spec
-from specmtp.stats import GenerationStats, resident_bytes
 from specmtp.timings import use_stored_kernel_plan
 
 WARMUP_TOKENS = 8  # a warm-up only needs to touch every code path once
 PLAIN_STEP_TOLERANCE = 0.1  # warn when T(1) and ar's own steps differ by more than this
-HF_PREFIX = "hf-"
-HF_DEFAULTS = "default"  # hf-assisted:MODEL@default: transformers' own assisted settings
 
 Log = Callable[[str], None]
 
@@ -66,7 +47,7 @@ class BenchConfig:
     prompts: tuple[str, ...]  # prompt files or random:COUNTxLENGTH specs
     target: str = "default"
     dtype: str = "float32"  # a models.DTYPES name, for target and drafts alike
-    drafts: tuple[str, ...] = ()  # method specs, see the module docstring
+    drafts: tuple[str, ...] = ()  # method specs, see bench_runners
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     default_gamma: str | None = None  # for drafts without @GAMMA: N, auto, best, hf or guard:N
     temperatures: tuple[float, ...] = ()  # more passes at these temperatures
@@ -101,145 +82,6 @@ class BenchConfig:
     @property
     def method_names(self) -> list[str]:
         return [BASELINE, *self.drafts]
-
-
-class Runner(Protocol):
-    schedule: str  # how γ is chosen, for the report
-    has_rounds: bool  # per-round statistics (τ, acceptance) exist
-    profile: Profile | None  # the tuning profile it started from
-
-    def run(self, ids: list[int], config: GenerationConfig) -> tuple[list[int], GenerationStats]:
-        """Generate; the stats' total_s is the latency."""
-
-
-class SpecRunner:
-    """Our decoder, with the method's draft-length settings applied to every request."""
-
-    has_rounds = True
-
-    def __init__(self, gen: SpecGenerator, settings: dict[str, Any]) -> None:
-        self.gen, self.settings = gen, settings
-        self.schedule = _schedule_name(settings)
-        self.profile = gen.profile
-
-    def run(self, ids: list[int], config: GenerationConfig) -> tuple[list[int], GenerationStats]:
-        result = self.gen.decoder.generate(ids, replace(config, **self.settings))
-        return result.tokens, result.stats
-
-    def prepare(self, ids: list[int], config: GenerationConfig) -> None:
-        """Times what the schedule's cost model needs (T(n)) now, not inside a timed run."""
-        self.gen.decoder.schedule_costs(ids, replace(config, **self.settings))
-
-
-class HFRunner:
-    """transformers' generate(): no per-round statistics, only tokens and timings."""
-
-    has_rounds = False
-    profile = None
-
-    def __init__(self, gen: HFGenerator, schedule: str) -> None:
-        self.gen, self.schedule = gen, schedule
-
-    def run(self, ids: list[int], config: GenerationConfig) -> tuple[list[int], GenerationStats]:
-        # As a Hugging Face user runs it: stock kernels, not our measured kernel plan.
-        with stock_kernels(self.gen.target, self.gen.assistant):
-            out = self._generate(ids, config)
-        stats = GenerationStats(gamma=0, prompt_tokens=len(ids), new_tokens=len(out.tokens))
-        stats.total_s, stats.first_token_s = out.latency_s, out.ttft_s
-        stats.peak_rss_bytes = resident_bytes()
-        return out.tokens, stats
-
-    def _generate(self, ids: list[int], config: GenerationConfig) -> HFRun:
-        s = config.sampling
-        return self.gen.generate(
-            ids,
-            max_new_tokens=config.max_new_tokens,
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            seed=config.seed,
-        )
-
-
-def _schedule_name(settings: dict[str, Any]) -> str:
-    schedule = settings.get("schedule", "fixed")
-    if schedule not in ("fixed", "guarded") or "gamma" not in settings:
-        return schedule
-    model = settings.get("model_gamma")
-    return f"{schedule}:{settings['gamma']}" + ("" if model is None else f"/{model}")
-
-
-def build_runner(
-    spec: str, target: LoadedModel, base: GenerationConfig, default_gamma: str | None = None
-) -> Runner:
-    """The one place a method spec becomes a runner."""
-    name, _, gamma = spec.partition("@")
-    gamma = gamma or default_gamma or str(base.gamma)
-    if spec == BASELINE:
-        runner = SpecRunner(SpecGenerator(target), {})
-        runner.schedule = "plain"
-        return runner
-    if name.startswith(HF_PREFIX):
-        return _hf_runner(name, gamma, target)
-    dtype = dtype_name(target.model.dtype)
-    profile = find_profile(target.spec, name, dtype=dtype) if gamma in ("auto", "best") else None
-    settings = gamma_settings(gamma, profile)
-    replace(base, **settings)  # a bad γ fails now, not after the baseline has run
-    generator = SpecGenerator(target, draft=name, profile=profile)
-    if "model_gamma" in settings and not has_arms(generator.decoder.drafter):
-        raise SpecMTPError(f"{spec}: a γ pair N/M needs an ngram+SPEC drafter")
-    return SpecRunner(generator, settings)
-
-
-def _verify_rows(runners: dict[str, Runner]) -> int:
-    """The most rows our methods' verify passes can hold (kernels.MAX_ROWS at most): γ + 1
-    for a fixed γ (the larger of a pair) or the adaptive schedule's largest γ, MAX_ROWS for
-    trees and the heuristic (no bound). The kernel plan is measured, and its weight layout
-    chosen, for 1..this many rows."""
-    rows = 1
-    for runner in runners.values():
-        if not isinstance(runner, SpecRunner) or runner.gen.decoder.drafter is None:
-            continue  # plain decoding verifies 1 row; Hugging Face's methods: stock kernels
-        settings = runner.settings
-        if "gamma" not in settings or getattr(runner.gen.decoder.drafter, "tree", None):
-            return MAX_ROWS
-        rows = max(rows, settings["gamma"] + 1, settings.get("model_gamma", 0) + 1)
-    return min(rows, MAX_ROWS)
-
-
-def _hf_runner(name: str, gamma: str, target: LoadedModel) -> HFRunner:
-    method, _, argument = name.partition(":")
-    eos = eos_token_ids(target)
-    if method == "hf-assisted" and gamma == HF_DEFAULTS:
-        settings = hf_default_assisted()
-        schedule = f"hf-default:{settings.num_tokens},{settings.confidence_threshold}"
-    elif gamma.isdigit() and int(gamma) >= 1:
-        settings = HFSettings("assisted", num_tokens=int(gamma))  # no early stop of drafting
-        schedule = f"fixed:{gamma}"
-    else:
-        raise SpecMTPError(
-            f"{name}: Hugging Face's methods take a fixed γ >= 1 (hf-assisted also "
-            f"@{HF_DEFAULTS}: HF's own settings), got {gamma!r}"
-        )
-    if method == "hf-assisted":
-        if not argument:
-            raise SpecMTPError("hf-assisted needs its assistant: hf-assisted:MODEL")
-        assistant = load_model(argument, dtype=target.model.dtype).model
-        return HFRunner(HFGenerator(target.model, settings=settings, assistant=assistant,
-                                    eos_token_ids=eos), schedule)  # fmt: skip
-    if method == "hf-prompt-lookup":
-        if argument and not argument.isdigit():
-            raise SpecMTPError(f"bad {name!r}: use hf-prompt-lookup or hf-prompt-lookup:N")
-        settings = HFSettings(
-            "prompt-lookup",
-            num_tokens=int(gamma),
-            max_matching_ngram_size=int(argument) if argument else None,
-        )
-        return HFRunner(HFGenerator(target.model, settings=settings, eos_token_ids=eos),
-                        f"fixed:{gamma}")  # fmt: skip
-    raise SpecMTPError(
-        f"unknown Hugging Face method {name!r}: hf-assisted:MODEL or hf-prompt-lookup"
-    )
 
 
 def measure(
@@ -499,7 +341,7 @@ def run_bench(config: BenchConfig, *, log: Log = log_to_stderr) -> BenchResult:
     warmup = replace(
         config.generation, max_new_tokens=min(WARMUP_TOKENS, config.generation.max_new_tokens)
     )
-    rows = _verify_rows(runners)
+    rows = verify_rows(runners)
     if config.stored_kernels:
         context = target.context_length
         plan = use_stored_kernel_plan(target.model, rows=rows, context_length=context, log=log)

@@ -7,39 +7,29 @@ fed at the start of the next verify pass together with the drafts.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors, tensor_bytes
-from specmtp.config import MEASURED_SCHEDULES, GenerationConfig, SamplingConfig
-from specmtp.costmodel import CostModel, measure_verify_costs
+from specmtp.config import GenerationConfig
+from specmtp.costmodel import CostModel
+from specmtp.decode_schedules import DecodeSchedules
 from specmtp.drafters import (
-    LOOKUP_ARM,
-    MODEL_ARM,
     Drafter,
     Outcome,
     Proposal,
     drafter_arm,
     drafter_catch_up,
-    drafter_depth,
     empty_proposal,
     has_arms,
 )
 from specmtp.errors import SpecMTPError
 from specmtp.sampling import logits_to_probs
-from specmtp.schedule import (
-    AdaptiveGamma,
-    FixedGamma,
-    GuardedGamma,
-    HeuristicGamma,
-    RoundRecord,
-    Schedule,
-)
+from specmtp.schedule import RoundRecord, Schedule
 from specmtp.stats import GenerationStats
 from specmtp.timings import TimingStore
 from specmtp.tree import (
@@ -93,32 +83,11 @@ class SpecDecoder:
         self.context_length = context_length
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
-        # For the adaptive schedule: measured costs (from `specmtp tune`, or measured on
-        # first use) and prior acceptances per draft position.
-        self._cost_model = cost_model
-        self._measured: CostModel | None = None
-        # For sampled runs: T(n) and the drafter's D(k), the same in every process.
-        self.timings = timings
-        self.draft_timings = draft_timings
-        self.prior_alphas = tuple(prior_alphas)
-        # Per drafter arm (a tuning profile's arm_alphas); other arms start from prior_alphas
-        self.arm_priors = {arm: tuple(a) for arm, a in (arm_priors or {}).items()}
-        # Per drafter arm: seconds per draft token as greedy runs' schedules learned them
-        # (no cost model gave them), at the machine's speed when T(n) was timed. The next
-        # sequence starts from it: a drafter too dear to pay is then not tried again on
-        # every sequence (its first round also reads the prompt: a whole extra prefill for
-        # a draft model).
-        self.learned_draft_s: dict[str, float] = {}
-        # Per drafter arm, the same for a draft model's catch-up (AdaptiveGamma's
-        # catch_up_record): without it every sequence would probe a drafter whose prompt
-        # read cannot be repaid, to learn that again.
-        self.learned_catch_up: dict[str, tuple[float, float]] = {}
-        # The machine's speed against the T(n) timed in this process (measured over
-        # modelled seconds), as the last greedy sequence's schedule left it. The next
-        # starts from it: started from 1 while another process slowed every forward, a
-        # sequence's first rounds stored T(1) dear and the drafts cheap (the speed factor
-        # takes about ten rounds to catch up), and the target drafting for itself drafted.
-        self.machine_speed = 1.0
+        self.schedules = DecodeSchedules(
+            self.target, drafter, context_length=context_length, prefill=self._prefill,
+            cost_model=cost_model, prior_alphas=prior_alphas, arm_priors=arm_priors,
+            timings=timings, draft_timings=draft_timings,
+        )  # fmt: skip
 
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> GenerationResult:
         stats = GenerationStats(gamma=max(config.gamma, config.model_gamma or 0))
@@ -131,21 +100,22 @@ class SpecDecoder:
         """Yield the tokens committed by each round, with every stop already applied."""
         self.check_request(prompt_ids, config)
         max_positions = self._max_positions(len(prompt_ids), config)
-        cost = self.schedule_costs(prompt_ids, config)  # before the prefill: it runs the target
-        schedules: dict[str, Schedule] = {}  # one per drafter arm (drafters.drafter_arm)
+        cost = self.schedules.costs(prompt_ids, config)  # before the prefill: may time T(n)
+        arm_schedules: dict[str, Schedule] = {}  # one per drafter arm (drafters.drafter_arm)
         start = time.perf_counter()
         device = self.target.device
         generator = torch.Generator(device=device).manual_seed(config.seed)
         context = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # [1, n]
-        self._prefill(context, stats)
+        self._prefill(context)
+        stats.prompt_tokens = context.shape[1]
         stats.prefill_s = time.perf_counter() - start
         generated: list[int] = []
         while not stats.finish_reason:
             limit = self._draft_limit(context.shape[1], len(generated), config, max_positions)
             arm = drafter_arm(self.drafter, context) if self.drafter is not None else ""
-            if arm not in schedules:
-                schedules[arm] = self._schedule(config, arm, cost)
-            schedule = schedules[arm]
+            if arm not in arm_schedules:
+                arm_schedules[arm] = self.schedules.for_arm(config, arm, cost)
+            schedule = arm_schedules[arm]
             catch_up = drafter_catch_up(self.drafter, context) if self.drafter is not None else 0
             k = schedule.next_gamma(limit, catch_up) if limit > 0 else 0
             proposal, draft_s = self._draft(context, k, config, generator, max_positions)
@@ -160,11 +130,7 @@ class SpecDecoder:
                     caught_up=catch_up if k else 0,
                 )
             )  # fmt: skip
-            if isinstance(schedule, AdaptiveGamma) and schedule.timing_feedback:
-                self.machine_speed = schedule.target_speed
-                self.learned_catch_up[arm] = schedule.catch_up_record
-                if schedule.learn_draft:
-                    self.learned_draft_s[arm] = schedule.unit_draft_s()
+            self.schedules.learn(arm, schedule)
             if self.drafter is not None:
                 self.drafter.observe(outcome)
             new = outcome.context[0, context.shape[1] :].tolist()
@@ -187,172 +153,17 @@ class SpecDecoder:
         stats.verify_s += verify_s
         stats.first_token_s = stats.first_token_s or stats.total_s
 
-    def _prefill(self, context: torch.Tensor, stats: GenerationStats) -> None:
+    def _prefill(self, context: torch.Tensor) -> None:
+        """Reset the target and the drafter and read the context but its last token."""
         self.target.reset()
         if self.drafter is not None:
             self.drafter.reset()
-        stats.prompt_tokens = context.shape[1]
         if context.shape[1] > 1:
             self.target.forward(context[:, :-1], last_only=True)
             if self.drafter is not None and self.drafter.needs_target_hidden:
                 # The prompt's hidden states: MTP heads draft from the first round on.
                 hidden = self.target.last_hidden  # [B, n-1, H]
                 self.drafter.observe(Outcome(context, 0, hidden, verified=hidden.shape[1]))
-
-    def schedule_costs(
-        self, prompt_ids: Sequence[int], config: GenerationConfig
-    ) -> CostModel | None:
-        """The cost model a measured schedule (adaptive, guarded) steers by; None for the
-        others. T(n) is timed on first use: a benchmark calls this before its timed runs."""
-        if config.schedule not in MEASURED_SCHEDULES or self.drafter is None:
-            return None
-        top = max(self._arm_gamma(config, arm) for arm in self._arms())
-        return self.cost_model(prompt_ids, top, fresh=config.sampling.greedy)
-
-    def _arms(self) -> tuple[str, ...]:
-        return (LOOKUP_ARM, MODEL_ARM) if has_arms(self.drafter) else ("",)
-
-    def _arm_gamma(self, config: GenerationConfig, arm: str) -> int:
-        """The largest γ a measured schedule of a drafter arm may ask: the config's (the
-        model arm of a lookup-first drafter: `model_gamma` if given), but no more than the
-        arm proposes.
-        T(n) is timed up to the largest arm's γ + 1: `--gamma auto` allows up to 8, and for
-        three MTP heads timing 9 sizes took 4.3-4.8 s of a one-shot `generate`, 4 sizes
-        1.8-2.0 s (the default model, one thread)."""
-        gamma = self._config_gamma(config, arm)
-        if arm == LOOKUP_ARM:
-            return gamma
-        depth = drafter_depth(getattr(self.drafter, "fallback", self.drafter))
-        return gamma if depth is None else min(gamma, depth)
-
-    @staticmethod
-    def _config_gamma(config: GenerationConfig, arm: str) -> int:
-        """The γ the config gives an arm: `model_gamma`, if given, for the model arm."""
-        if arm == MODEL_ARM and config.model_gamma is not None:
-            return config.model_gamma
-        return config.gamma
-
-    def _schedule(self, config: GenerationConfig, arm: str, cost: CostModel | None) -> Schedule:
-        """The schedule of one drafter arm. The model arm of a lookup-first drafter starts
-        from `model_gamma`; the lookup arm, whose drafts cost next to nothing, learns its own
-        draft cost rather than take the model drafter's."""
-        gamma = self._config_gamma(config, arm)
-        if config.schedule == "heuristic":
-            return HeuristicGamma(gamma)
-        if cost is not None:
-            gamma = self._arm_gamma(config, arm)  # choices past what the arm proposes: none
-            if arm == LOOKUP_ARM:
-                cost = replace(
-                    cost, draft_fixed_s=0.0, draft_per_token_s=0.0, catch_up_per_token_s=0.0
-                )
-            # Sampling: γ must not depend on wall-clock timings, or a seed would not fix
-            # the output (γ decides how the generator's numbers are used).
-            measured = GuardedGamma if config.schedule == "guarded" else AdaptiveGamma
-            schedule = measured(
-                cost,
-                max_gamma=gamma,
-                prior=self.arm_priors.get(arm, self.prior_alphas),
-                timing_feedback=config.sampling.greedy,
-            )
-            if config.sampling.greedy:
-                schedule.target_speed = self.machine_speed
-                schedule.catch_up_record = self.learned_catch_up.get(arm, schedule.catch_up_record)
-                if schedule.learn_draft:
-                    schedule.draft_per_token_s = self.learned_draft_s.get(arm, 0.0)
-            return schedule
-        return FixedGamma(gamma)
-
-    def cost_model(self, prompt_ids: Sequence[int], gamma: int, *, fresh: bool = True) -> CostModel:
-        """T(n) measured in this process (once; kernels and load differ between processes)
-        with the given model's draft costs, if any. With fresh=False (sampling: a seed must
-        give the same output in every process) the given model as it is, when it covers γ,
-        else T(n) from the timing store when there is one (timings.py).
-        Without draft costs the adaptive schedule learns them while generating."""
-        given = self._cost_model
-        wanted = min(gamma + 1, self.context_length - 1)
-        if not fresh and given is not None and len(given.verify_s) >= wanted:
-            return given
-        if not fresh and self.timings is not None:
-            stored = self.timings.load()
-            if len(stored) < wanted:
-                stored = self.timings.keep(self._measure(prompt_ids, gamma).verify_s)
-            # The first `wanted` sizes only: a tree's larger verify passes are extrapolated
-            # from them, the same way whatever later runs appended.
-            verify_s = stored[:wanted]
-            cost = CostModel(verify_s) if given is None else replace(given, verify_s=verify_s)
-            if cost.draft_s(1) > 0 or self.draft_timings is None:
-                return cost
-            # Without timing feedback nothing learns what a draft costs: taken as free,
-            # the target drafting for itself drafted γ 8 every round at 0.71x. Nor what
-            # its catch-up costs: taken as free, it probed after plain rounds at 0.92x.
-            draft = self.draft_timings.load()
-            if len(draft) < 3:
-                draft = self.draft_timings.keep(self.measure_draft_cost(prompt_ids))
-            a, b, read = draft[:3]
-            return replace(cost, draft_fixed_s=a, draft_per_token_s=b, catch_up_per_token_s=read)
-        measured = self._measure(prompt_ids, gamma)
-        return measured if given is None else replace(given, verify_s=measured.verify_s)
-
-    def _measure(self, prompt_ids: Sequence[int], gamma: int) -> CostModel:
-        """T(1)..T(γ + 1) timed in this process, once (again for a larger γ)."""
-        wanted = min(gamma + 1, self.context_length - 1)
-        measured = self._measured
-        if measured is None or len(measured.verify_s) < wanted:
-            # Measured after (part of) this prompt, leaving room for gamma + 1 more tokens;
-            # a context too short for that measures what fits (the model extrapolates).
-            ids = list(prompt_ids)[: max(2, self.context_length - gamma - 1)]
-            ids = ids * 2 if len(ids) < 2 else ids
-            largest = max(1, min(gamma + 1, self.context_length - len(ids) + 1))
-            costs = measure_verify_costs(self.target, ids, max_tokens=largest, repeats=3)
-            self._measured = measured = CostModel(costs)
-            # Timed now, at the machine's current speed: what was learned against the
-            # earlier timings moves to the new ones.
-            self.learned_draft_s = {
-                arm: s / self.machine_speed for arm, s in self.learned_draft_s.items()
-            }
-            self.learned_catch_up = {
-                arm: (s / self.machine_speed, read)
-                for arm, (s, read) in self.learned_catch_up.items()
-            }
-            self.machine_speed = 1.0
-        return measured
-
-    @torch.inference_mode()
-    def measure_draft_cost(
-        self, prompt_ids: Sequence[int], k: int = 3
-    ) -> tuple[float, float, float]:
-        """(a, b) of D(k) = a + b·k for the drafter (a lookup-first drafter's model arm),
-        from proposals of 1 and k tokens after a prefill of the prompt, and the seconds per
-        token of its catch-up: what a proposal of k that first reads the prompt takes beyond
-        D(k), over the tokens read. Medians of 3 each."""
-        ids = list(prompt_ids)[: max(2, self.context_length - k - 1)]
-        context = torch.tensor([ids * 2 if len(ids) < 2 else ids], device=self.target.device)
-        drafter = getattr(self.drafter, "fallback", self.drafter)
-        assert drafter is not None  # only measured schedules with a drafter ask
-        greedy = SamplingConfig()
-        self._prefill(context, GenerationStats(gamma=k))
-        catch_up = drafter_catch_up(drafter, context)
-        reads: list[float] = []
-        for _ in range(3 if catch_up else 1):  # the first proposal reads the prompt
-            drafter.reset()
-            if drafter.needs_target_hidden:
-                self._prefill(context, GenerationStats(gamma=k))
-            start = time.perf_counter()
-            drafter.propose(context, k, greedy, None)
-            reads.append(time.perf_counter() - start)
-        times: dict[int, list[float]] = {1: [], k: []}
-        for _ in range(3):
-            for size, seconds in times.items():
-                start = time.perf_counter()
-                drafter.propose(context, size, greedy, None)
-                seconds.append(time.perf_counter() - start)
-        self.target.reset()
-        drafter.reset()
-        one, many = (statistics.median(times[size]) for size in (1, k))
-        per_token = max(0.0, (many - one) / (k - 1))
-        fixed = max(0.0, one - per_token)
-        read_s = statistics.median(reads) - (fixed + per_token * k)
-        return fixed, per_token, max(0.0, read_s) / catch_up if catch_up else 0.0
 
     def check_request(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
         """A one-line error for a request that cannot run (before any work on it)."""

@@ -34,15 +34,8 @@ import torch.nn.functional as F
 
 from specmtp.cache import CachedModel
 from specmtp.costmodel import measure_verify_costs
-from specmtp.data import (
-    DistillBatch,
-    DistillConfig,
-    build_cache,
-    is_heldout,
-    iter_batches,
-    load_train_prompts,
-    model_fingerprint,
-)
+from specmtp.data import DistillBatch, is_heldout, iter_batches, model_fingerprint
+from specmtp.data_build import DistillConfig, build_cache
 from specmtp.draft_model import (
     DraftConfig,
     DraftLM,
@@ -57,6 +50,7 @@ from specmtp.mtp_loss import decaying_weights, mtp_losses, topk_kl
 from specmtp.parallel import DataParallel, make_accelerator
 from specmtp.text_data import TextChunks, iter_text_batches, load_texts, tokenize_chunks
 from specmtp.train import answer_token_counts
+from specmtp.train_prompts import load_train_prompts
 from specmtp.trainer import Logged, Objective, run_training
 
 OBJECTIVES = ("distill", "text")

@@ -36,15 +36,9 @@ from transformers import LlamaConfig, LlamaModel, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from specmtp.errors import SpecMTPError
-from specmtp.heads import (
-    HeadsConfig,
-    ParallelHeads,
-    VocabProjection,
-    _write_atomically,
-    check_trunk,
-    describe_target,
-    write_trunk,
-)
+from specmtp.files import write_atomically
+from specmtp.heads import HeadsConfig, ParallelHeads, VocabProjection, describe_target
+from specmtp.trunk import check_trunk, write_trunk
 
 DRAFT_WEIGHTS = "draft.safetensors"
 DRAFT_CONFIG = "draft.json"
@@ -268,13 +262,13 @@ def save_draft(
     target: PreTrainedModel | None = None,
 ) -> None:
     """Write draft.safetensors and draft.json atomically (weights in `dtype` if given) and,
-    given the target it was trained for, a sample of its weights (heads.TRUNK_FILE)."""
+    given the target it was trained for, a sample of its weights (trunk.TRUNK_FILE)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to(dtype or v.dtype) for k, v in trainable_state(draft).items()}
-    _write_atomically(directory / DRAFT_WEIGHTS, lambda path: save_file(tensors, str(path)))
+    write_atomically(directory / DRAFT_WEIGHTS, lambda path: save_file(tensors, str(path)))
     text = draft.draft_config.to_json()
-    _write_atomically(directory / DRAFT_CONFIG, lambda path: path.write_text(text))
+    write_atomically(directory / DRAFT_CONFIG, lambda path: path.write_text(text))
     if target is not None:
         write_trunk(directory, target)
 

@@ -21,44 +21,26 @@ never trained, never saved, rebound from the target at load. With `draft_vocab` 
 output projection covers only those token ids; `to_full_logits` scatters such logits
 into the full vocabulary with -inf elsewhere, so q stays a distribution over all ids.
 
-Which trunk. `base_model` (architecture, depth, sizes) cannot tell two checkpoints of one
-architecture apart, so the heads' directory also keeps a sample of the trunk's weights they
-were trained on (`TRUNK_FILE`), and loading refuses a trunk whose weights differ from it
-by more than dtype rounding: heads learn one checkpoint's hidden states, and on another
-they would draft, losslessly still, but at a fraction of their acceptance.
+Saving and loading: `heads_io`; the check of which trunk they were trained on: `trunk`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 
 from specmtp.errors import SpecMTPError
 
 KV = tuple[torch.Tensor, torch.Tensor]  # an attention block's keys and values [B, heads, n, d]
-HEADS_WEIGHTS = "heads.safetensors"
-HEADS_CONFIG = "heads.json"
 _KINDS = ("parallel", "sequential")
 _NORM_EPS = 1e-6
-TRUNK_FILE = "trunk.safetensors"  # one tensor, "sample": see trunk_sample
-_TRUNK_VALUES = 16  # evenly spaced values per trunk tensor
-# The same weights in float32, bfloat16 or float16 differ by at most half a bfloat16 ulp
-# (2^-8 relative; float16's double rounding and subnormals stay within the absolute term).
-_TRUNK_RELATIVE = 2.0**-7
-_TRUNK_ABSOLUTE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -161,13 +143,13 @@ def describe_target(model: PreTrainedModel) -> str:
     """The `base_model` string heads record: architecture, depth, hidden and vocab size.
 
     It is built from the config only, so it survives dtype changes and cache paths, but it
-    cannot tell apart two checkpoints of the same architecture and size: `trunk_sample`
-    does that.
+    cannot tell apart two checkpoints of the same architecture and size: the trunk sample
+    (`trunk.trunk_sample`) does that.
     """
     config = model.config.get_text_config()
     return (
         f"{type(model).__name__} layers={config.num_hidden_layers} "
-        f"hidden={config.hidden_size} vocab={_lm_head_weight(model).shape[0]}"
+        f"hidden={config.hidden_size} vocab={target_lm_head(model).shape[0]}"
     )
 
 
@@ -418,11 +400,6 @@ class SequentialMTP(_HeadsBase):
 Heads = ParallelHeads | SequentialMTP
 
 
-def shipped_heads_dir() -> Path:
-    """The heads that ship with the package, trained for the default model."""
-    return Path(__file__).parent / "assets" / "smollm2-135m-mtp"
-
-
 def build_heads(config: HeadsConfig, target_model: PreTrainedModel) -> Heads:
     """Fresh heads for `target_model`, sharing its LM head (and embedding), on its device
     and in its dtype. The one place that turns `kind` into a class."""
@@ -432,7 +409,7 @@ def build_heads(config: HeadsConfig, target_model: PreTrainedModel) -> Heads:
             f"heads read hidden state {config.feature_layers[-1]}, but the model has "
             f"{layers} layers (hidden states 0..{layers})"
         )
-    lm_head = _lm_head_weight(target_model)
+    lm_head = target_lm_head(target_model)
     heads: Heads
     if config.kind == "parallel":
         heads = ParallelHeads(config, lm_head_weight=lm_head)
@@ -469,118 +446,9 @@ def widen_heads(heads: Heads, layers: tuple[int, ...], target_model: PreTrainedM
     return wider.to(dtype=next(heads.parameters()).dtype)
 
 
-def trunk_sample(model: PreTrainedModel) -> torch.Tensor:
-    """Evenly spaced values of every weight of `model`, in float32 [N]."""
-    values = []
-    for param in model.parameters():
-        flat = param.detach().flatten()
-        step = max(1, flat.numel() // _TRUNK_VALUES)
-        values.append(flat[::step][:_TRUNK_VALUES].to("cpu", torch.float32))
-    return torch.cat(values)
-
-
-def save_heads(
-    module: Heads,
-    config: HeadsConfig,
-    directory: str | Path,
-    *,
-    dtype: torch.dtype | None = None,
-    trunk: PreTrainedModel | None = None,
-) -> None:
-    """Write heads.safetensors (trainable parameters only, in `dtype` if given), heads.json
-    and, given the `trunk` they were trained on, its weights' sample, each atomically."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        name: p.detach().to(dtype or p.dtype).contiguous() for name, p in module.named_parameters()
-    }
-    _write_atomically(directory / HEADS_WEIGHTS, lambda path: save_file(tensors, str(path)))
-    _write_atomically(directory / HEADS_CONFIG, lambda path: path.write_text(config.to_json()))
-    if trunk is not None:
-        write_trunk(directory, trunk)
-
-
-def load_heads(
-    directory: str | Path, *, target_model: PreTrainedModel
-) -> tuple[Heads, HeadsConfig]:
-    """Heads saved by save_heads, checked against and bound to `target_model`."""
-    directory = Path(directory)
-    try:
-        config = HeadsConfig.from_json((directory / HEADS_CONFIG).read_text())
-        tensors = load_file(str(directory / HEADS_WEIGHTS))
-    except (OSError, UnicodeDecodeError, SafetensorError) as exc:
-        raise SpecMTPError(f"cannot read heads from {directory}: {_first_line(exc)}") from exc
-    expected = describe_target(target_model)
-    hidden = target_model.config.get_text_config().hidden_size
-    vocab = _lm_head_weight(target_model).shape[0]
-    for what, theirs, ours in (
-        ("hidden size", config.hidden_size, hidden),
-        ("vocab size", config.vocab_size, vocab),
-        ("base model", config.base_model, expected),
-    ):
-        if theirs != ours:
-            raise SpecMTPError(
-                f"heads in {directory} were trained for {what} {theirs!r}, the target has {ours!r}"
-            )
-    check_trunk(directory, target_model, what="heads")
-    heads = build_heads(config, target_model)
-    try:
-        heads.load_state_dict(tensors, strict=True)
-    except RuntimeError as exc:  # missing, unexpected or misshapen tensors
-        raise SpecMTPError(
-            f"heads in {directory} do not match their config: {_first_line(exc)}"
-        ) from exc
-    return heads, config
-
-
-def write_trunk(directory: Path, model: PreTrainedModel) -> None:
-    """Record, beside heads or a draft in `directory`, the weights they were trained on."""
-    sample = {"sample": trunk_sample(model)}
-    _write_atomically(directory / TRUNK_FILE, lambda path: save_file(sample, str(path)))
-
-
-def check_trunk(directory: Path, model: PreTrainedModel, *, what: str) -> None:
-    """Refuse `model` if `directory` records other weights (nothing recorded: accepted, as
-    for heads and drafts saved before it was)."""
-    path = directory / TRUNK_FILE
-    if not path.exists():
-        return
-    try:
-        sample = load_file(str(path))["sample"]
-    except (OSError, SafetensorError, KeyError) as exc:
-        raise SpecMTPError(f"cannot read {what} from {directory}: {_first_line(exc)}") from exc
-    ours = trunk_sample(model)
-    if ours.shape != sample.shape:
-        far = torch.ones_like(sample, dtype=torch.bool)
-    else:
-        far = (ours - sample).abs() > _TRUNK_RELATIVE * sample.abs() + _TRUNK_ABSOLUTE
-    if far.any():
-        raise SpecMTPError(
-            f"the {what} in {directory}: trained on other weights of this architecture "
-            f"({int(far.sum())} of {far.numel()} sampled weights differ); "
-            f"train {what} for this checkpoint"
-        )
-
-
-def _lm_head_weight(model: PreTrainedModel) -> torch.Tensor:
+def target_lm_head(model: PreTrainedModel) -> torch.Tensor:
+    """The target's LM head weight [V, H], which heads project through (and share)."""
     head = model.get_output_embeddings()
     if head is None or getattr(head, "bias", None) is not None:
         raise SpecMTPError(f"{type(model).__name__}: MTP heads need a bias-free linear LM head")
     return head.weight  # [V, H]
-
-
-def _write_atomically(final: Path, write: Callable[[Path], Any]) -> None:
-    """Write to a temporary file beside `final`, then rename it into place."""
-    fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(name))
-        os.replace(name, final)
-    except BaseException:
-        Path(name).unlink(missing_ok=True)
-        raise
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__

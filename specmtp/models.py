@@ -36,6 +36,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging as hf_logging
 
 from specmtp.errors import SpecMTPError
+from specmtp.files import first_line
 from specmtp.invariant import use_row_invariant
 from specmtp.kernels import tuned_linear_enabled, use_tuned_linear
 
@@ -236,10 +237,10 @@ def _load_step(
             hub = (
                 "the Hugging Face Hub is offline (HF_HUB_OFFLINE is set)"
                 if huggingface_hub.is_offline_mode()
-                else f"the Hugging Face Hub is unreachable or refused it: {_first_line(exc)}"
+                else f"the Hugging Face Hub is unreachable or refused it: {first_line(exc)}"
             )
             raise SpecMTPError(f"model {spec!r} was not found locally and {hub}") from exc
-        raise SpecMTPError(f"cannot load model {spec!r}: {_first_line(exc)}") from exc
+        raise SpecMTPError(f"cannot load model {spec!r}: {first_line(exc)}") from exc
 
 
 def _check_causal_lm(spec: str, config: PreTrainedConfig) -> None:
@@ -299,7 +300,7 @@ def _gguf_cache(spec: str, gguf: Path, cache_dir: Path | None) -> Path:
         _publish_atomically(entry, lambda staging: _convert_gguf(spec, gguf, staging))
     except OSError as exc:
         raise SpecMTPError(
-            f"cannot write the model cache {entry}: {_first_line(exc)} "
+            f"cannot write the model cache {entry}: {first_line(exc)} "
             "(set SPECMTP_CACHE to a writable folder)"
         ) from exc
     return entry
@@ -418,8 +419,3 @@ def _logits_width(model: LoadedModel | PreTrainedModel) -> int:
 
 def _model_name(model: LoadedModel | PreTrainedModel) -> str:
     return model.spec if isinstance(model, LoadedModel) else model.name_or_path
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__

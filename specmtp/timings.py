@@ -42,6 +42,7 @@ import torch
 
 from specmtp.cache import CachedModel
 from specmtp.drafters import Drafter
+from specmtp.files import write_atomically
 from specmtp.kernels import (
     LAYOUTS,
     MAX_ROWS,
@@ -175,10 +176,7 @@ class KernelPlanStore:
         """Store `plan` (written whole, then renamed into place)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {"key": self.key, "by_rows": plan.by_rows, "layout": plan.layout}
-        handle, name = tempfile.mkstemp(dir=self.path.parent, prefix=".kernels-")
-        with os.fdopen(handle, "w") as file:
-            file.write(json.dumps(data, indent=1))
-        os.replace(name, self.path)
+        write_atomically(self.path, lambda path: path.write_text(json.dumps(data, indent=1)))
 
 
 def use_stored_kernel_plan(

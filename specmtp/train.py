@@ -20,32 +20,22 @@ from typing import Any
 
 import torch
 
-from specmtp.data import (
-    DistillBatch,
-    DistillCache,
-    DistillConfig,
-    build_cache,
-    is_heldout,
-    iter_batches,
-    load_train_prompts,
-    model_fingerprint,
-    rescore_cache,
-)
+from specmtp.data import DistillBatch, DistillCache, is_heldout, iter_batches, model_fingerprint
+from specmtp.data_build import DistillConfig, build_cache, rescore_cache
 from specmtp.errors import SpecMTPError
 from specmtp.heads import (
-    HEADS_WEIGHTS,
     Heads,
     HeadsConfig,
     build_heads,
     check_feature_layers,
     describe_target,
-    load_heads,
-    save_heads,
     widen_heads,
 )
+from specmtp.heads_io import HEADS_WEIGHTS, load_heads, save_heads
 from specmtp.models import DTYPES, LoadedModel, load_model
 from specmtp.mtp_loss import RANKS, decaying_weights, mtp_losses
 from specmtp.parallel import DataParallel, make_accelerator
+from specmtp.train_prompts import load_train_prompts
 from specmtp.trainer import Logged, Objective, run_training
 from specmtp.tree import TREE_FILE, best_tree
 

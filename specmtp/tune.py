@@ -32,13 +32,13 @@ from specmtp.costmodel import (
     fit_draft_cost,
     measure_verify_costs,
 )
-from specmtp.data import load_train_prompts
 from specmtp.drafters import LOOKUP_ARM, MODEL_ARM, has_arms
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import MAX_ROWS, measure_kernel_plan
 from specmtp.models import DTYPES, load_model
 from specmtp.profile import Profile, default_profile_path
 from specmtp.stats import GenerationStats
+from specmtp.train_prompts import load_train_prompts
 from specmtp.tree import TokenTree
 from specmtp.tune_tree import budget_trees, expected_tree_tokens, rank_probabilities, sweep_budgets
 
@@ -363,7 +363,7 @@ def run_tune(config: TuneConfig, *, log: Log) -> Profile:
         profile = build_tree_profile(config, runs, trees, rank_probs, verify_s)
     # What a draft model's catch-up costs per token read (its prompt, the tokens of plain
     # rounds): the sweep's fixed γ never catches up past the prompt, which D(k) averages in.
-    read_s = spec.decoder.measure_draft_cost(prompt_ids[0])[2]
+    read_s = spec.decoder.schedules.measure_draft_cost(prompt_ids[0])[2]
     profile = replace(profile, cost_model=replace(profile.cost_model, catch_up_per_token_s=read_s))
     log(f"catch-up: {read_s * 1e3:.3f} ms per token the drafter reads before drafting")
     profile.meta["kernel_plan"] = None if plan is None else plan.by_rows

@@ -20,7 +20,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specmtp import decode as specmtp_decode
+from specmtp import decode_schedules
 from specmtp.api import SpecGenerator, eos_token_ids
 from specmtp.cli import main
 from specmtp.models import LoadedModel, load_model
@@ -176,11 +176,11 @@ def no_profiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, specmtp_cache: 
 def measurements(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the T(n) measurements the decoder makes, by their max_tokens."""
     calls: list[int] = []
-    measure = specmtp_decode.measure_verify_costs
+    measure = decode_schedules.measure_verify_costs
 
     def counting(*args: object, max_tokens: int, **kwargs: object) -> tuple[float, ...]:
         calls.append(max_tokens)
         return measure(*args, max_tokens=max_tokens, **kwargs)
 
-    monkeypatch.setattr(specmtp_decode, "measure_verify_costs", counting)
+    monkeypatch.setattr(decode_schedules, "measure_verify_costs", counting)
     return calls

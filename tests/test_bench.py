@@ -16,8 +16,9 @@ import pytest
 from conftest import run_captured, run_cli
 
 from specmtp.api import AUTO_MAX_GAMMA
-from specmtp.bench import _verify_rows, build_runner, typical_context
+from specmtp.bench import typical_context
 from specmtp.bench_results import PromptRun
+from specmtp.bench_runners import build_runner, verify_rows
 from specmtp.cli import main
 from specmtp.config import GenerationConfig
 from specmtp.models import load_model
@@ -381,7 +382,7 @@ def test_context_sweep_needs_text_prompts(capfd: pytest.CaptureFixture[str]) -> 
 def test_the_kernel_plan_covers_the_verify_passes_to_come(methods: list[str], rows: int) -> None:
     target = load_model("default")
     runners = {m: build_runner(m, target, GenerationConfig()) for m in methods}
-    assert _verify_rows(runners) == rows
+    assert verify_rows(runners) == rows
 
 
 def test_costs_are_timed_after_the_median_prompt_and_half_its_plain_answer() -> None:

@@ -25,7 +25,8 @@ from specmtp.costmodel import (
     measure_verify_costs,
 )
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import Drafter, DraftModelDrafter, NgramDrafter, Outcome, Proposal
+from specmtp.draft_model_drafter import DraftModelDrafter
+from specmtp.drafters import Drafter, NgramDrafter, Outcome, Proposal
 from specmtp.errors import SpecMTPError
 from specmtp.tree import TokenTree
 

@@ -11,20 +11,13 @@ import torch
 from conftest import tiny_model
 from safetensors.torch import load_file
 
-import specmtp.data as data
-from specmtp.data import (
-    MANIFEST,
-    DistillCache,
-    DistillConfig,
-    build_cache,
-    encode_prompt,
-    generate_answers,
-    is_heldout,
-    iter_batches,
-    load_train_prompts,
-)
+import specmtp.data_build as data_build
+from specmtp.answers import Sample, encode_prompt, generate_answers
+from specmtp.data import MANIFEST, DistillCache, is_heldout, iter_batches
+from specmtp.data_build import DistillConfig, build_cache, rescore_cache
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel, load_model
+from specmtp.train_prompts import load_train_prompts, source_prompts
 
 TRAIN_PROMPTS = Path("/work/shared/train_prompts")
 SOURCES = [
@@ -94,7 +87,7 @@ def test_limit_per_source_and_mixing() -> None:
 
 def test_source_prompts_is_the_order_limit_per_source_takes() -> None:
     source = TRAIN_PROMPTS / "mbpp"
-    ordered = data.source_prompts(source, seed=0)
+    ordered = source_prompts(source, seed=0)
     taken = load_train_prompts([source], limit_per_source=7, seed=0)
     assert set(taken) == set(ordered[:7])
     assert taken != ordered[:7]  # the union is shuffled again; the per-source order is not
@@ -258,13 +251,13 @@ def test_resume_rebuilds_only_missing_shards(
     for path in built.iterdir():
         (directory / path.name).write_bytes(path.read_bytes())
     calls: list[int] = []
-    real = data.generate_answers
+    real = data_build.generate_answers
 
-    def counting(*args: object, **kwargs: object) -> list[data.Sample]:
+    def counting(*args: object, **kwargs: object) -> list[Sample]:
         calls.append(1)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(data, "generate_answers", counting)
+    monkeypatch.setattr(data_build, "generate_answers", counting)
     (directory / "shard-00002.safetensors").unlink()
     build_cache(tiny, PROMPTS, directory, config=CONFIG, sources=["inline"])
     assert len(calls) == 1
@@ -339,7 +332,7 @@ def test_a_rescored_cache_keeps_the_answers_and_takes_the_other_models_hidden_st
     draft_model = tiny_model("qwen2", seed=3, vocab_size=len(default.tokenizer), context=512)
     draft = LoadedModel(draft_model, default.tokenizer, spec="tiny-qwen2", context_length=512)
     source = DistillCache.open(built, model=tiny)
-    rescored = data.rescore_cache(source, draft, tmp_path / "r")
+    rescored = rescore_cache(source, draft, tmp_path / "r")
     assert rescored.num_samples == source.num_samples
     for index in range(source.num_samples):
         theirs, ours = source.sample(index), rescored.sample(index)
@@ -358,14 +351,14 @@ def test_a_rescored_cache_keeps_the_answers_and_takes_the_other_models_hidden_st
         DistillCache.open(tmp_path / "r", model=tiny)
     # Rerun: every shard kept. Another answering cache in the same directory: refused.
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "r").iterdir()}
-    data.rescore_cache(source, draft, tmp_path / "r")
+    rescore_cache(source, draft, tmp_path / "r")
     after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "r").iterdir()}
     assert {n: t for n, t in after.items() if n != MANIFEST} == {
         n: t for n, t in before.items() if n != MANIFEST
     }
     other = build_cache(tiny_loaded(default, seed=2), PROMPTS, tmp_path / "o", config=CONFIG)
     with pytest.raises(SpecMTPError, match="different answering cache"):
-        data.rescore_cache(other, draft, tmp_path / "r")
+        rescore_cache(other, draft, tmp_path / "r")
     # A plain build into a rescored directory is refused with the same one line.
     with pytest.raises(SpecMTPError, match="different answering cache"):
         build_cache(draft, PROMPTS, tmp_path / "r", config=CONFIG)
@@ -379,7 +372,7 @@ def test_rescoring_needs_the_same_token_ids(
     tokenizer.add_tokens(["<specmtp-extra>"])
     extended = LoadedModel(tiny.model, tokenizer, spec="extended", context_length=512)
     with pytest.raises(SpecMTPError, match=r"vocabulary mismatch: cache .* 'extended'"):
-        data.rescore_cache(source, extended, tmp_path / "r")
+        rescore_cache(source, extended, tmp_path / "r")
     old = tmp_path / "old"  # a cache from before manifests recorded the vocabulary
     old.mkdir()
     for path in built.iterdir():
@@ -388,4 +381,4 @@ def test_rescoring_needs_the_same_token_ids(
     del manifest["vocab_sha256"]
     (old / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(SpecMTPError, match="records no tokenizer vocabulary"):
-        data.rescore_cache(DistillCache.open(old), tiny, tmp_path / "r2")
+        rescore_cache(DistillCache.open(old), tiny, tmp_path / "r2")

@@ -10,7 +10,8 @@ from transformers import DynamicCache
 from specmtp.cache import CachedModel
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import DraftModelDrafter, NgramDrafter
+from specmtp.draft_model_drafter import DraftModelDrafter
+from specmtp.drafters import NgramDrafter
 from specmtp.errors import SpecMTPError
 
 PROMPT = [5, 17, 3, 88, 41, 5, 17, 3, 60, 2]

@@ -12,7 +12,8 @@ from transformers import PreTrainedModel
 from specmtp.cache import CachedModel
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import DraftModelDrafter, NoMemory, Outcome, Proposal, empty_proposal
+from specmtp.draft_model_drafter import DraftModelDrafter
+from specmtp.drafters import NoMemory, Outcome, Proposal, empty_proposal
 from specmtp.tree import TokenTree, build_tree_tokens
 
 TREE = TokenTree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)))

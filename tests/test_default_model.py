@@ -7,7 +7,8 @@ from conftest import hf_greedy, tiny_model
 
 from specmtp.api import SpecGenerator, eos_token_ids
 from specmtp.config import GenerationConfig
-from specmtp.drafters import Drafter, DraftModelDrafter, NgramDrafter
+from specmtp.draft_model_drafter import DraftModelDrafter
+from specmtp.drafters import Drafter, NgramDrafter
 from specmtp.models import LoadedModel, load_model
 
 PROMPTS = [

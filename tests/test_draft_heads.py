@@ -14,15 +14,11 @@ from transformers import AutoModelForCausalLM
 from specmtp.api import SpecGenerator, build_drafter
 from specmtp.cache import kv_bytes_per_token
 from specmtp.config import SamplingConfig
-from specmtp.drafters import DraftModelDrafter, Outcome
+from specmtp.draft_model_drafter import DraftModelDrafter
+from specmtp.drafters import Outcome
 from specmtp.errors import SpecMTPError
-from specmtp.heads import (
-    HeadsConfig,
-    SequentialMTP,
-    build_heads,
-    describe_target,
-    save_heads,
-)
+from specmtp.heads import HeadsConfig, SequentialMTP, build_heads, describe_target
+from specmtp.heads_io import save_heads
 from specmtp.models import load_model
 from specmtp.sampling import logits_to_probs
 

@@ -32,11 +32,12 @@ from specmtp.draft_model import (
     load_draft,
     save_draft,
 )
-from specmtp.drafters import DraftModelDrafter, Outcome, Proposal
+from specmtp.draft_model_drafter import DraftModelDrafter
+from specmtp.drafters import Outcome, Proposal
 from specmtp.errors import SpecMTPError
-from specmtp.heads import TRUNK_FILE
 from specmtp.models import LoadedModel, load_model
 from specmtp.sampling import logits_to_probs
+from specmtp.trunk import TRUNK_FILE
 from specmtp.verification import verify_rejection_sampling
 
 PROMPT = [5, 17, 3, 88, 41, 5, 17, 3, 60, 2, 33, 71]

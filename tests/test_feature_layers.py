@@ -18,18 +18,18 @@ from transformers import PreTrainedModel
 from specmtp.config import GenerationConfig
 from specmtp.data import DistillCache
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import MTPDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.heads import (
     HeadsConfig,
     SequentialMTP,
     build_heads,
-    load_heads,
     target_features,
     widen_heads,
 )
+from specmtp.heads_io import load_heads
 from specmtp.models import load_model
 from specmtp.mtp_cache import SequentialDraftCache
+from specmtp.mtp_drafter import MTPDrafter
 from specmtp.train import train_mtp
 
 LAYERS = (0, 1, 2)  # the tiny target has 2 layers: embeddings, layer 1, the final state

@@ -9,7 +9,8 @@ from transformers import PreTrainedModel
 
 from specmtp.config import GenerationConfig
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import Drafter, DraftModelDrafter, NgramDrafter
+from specmtp.draft_model_drafter import DraftModelDrafter
+from specmtp.drafters import Drafter, NgramDrafter
 
 ARCHS = ["llama", "qwen2", "gpt2"]
 NEW_TOKENS = 48

@@ -15,18 +15,15 @@ from transformers import PreTrainedModel
 
 from specmtp.errors import SpecMTPError
 from specmtp.heads import (
-    HEADS_CONFIG,
-    HEADS_WEIGHTS,
-    TRUNK_FILE,
     Heads,
     HeadsConfig,
     ParallelHeads,
     SequentialMTP,
     build_heads,
     describe_target,
-    load_heads,
-    save_heads,
 )
+from specmtp.heads_io import HEADS_CONFIG, HEADS_WEIGHTS, load_heads, save_heads
+from specmtp.trunk import TRUNK_FILE
 
 KINDS = ("parallel", "sequential")
 

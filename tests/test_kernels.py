@@ -18,7 +18,7 @@ import specmtp.kernels as kernels
 from specmtp.cache import CachedModel
 from specmtp.config import GenerationConfig
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import DraftModelDrafter
+from specmtp.draft_model_drafter import DraftModelDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import (
     LAYOUTS,

@@ -14,18 +14,18 @@ from specmtp.bench_results import arm_summary
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.costmodel import CostModel
 from specmtp.decode import SpecDecoder
+from specmtp.draft_model_drafter import DraftModelDrafter
 from specmtp.drafters import (
     LOOKUP_ARM,
     MODEL_ARM,
-    DraftModelDrafter,
     LookupFirstDrafter,
-    MTPDrafter,
     NgramDrafter,
     Outcome,
     Proposal,
 )
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel
+from specmtp.mtp_drafter import MTPDrafter
 from specmtp.schedule import AdaptiveGamma, GuardedGamma, HeuristicGamma, RoundRecord
 
 GREEDY = SamplingConfig()
@@ -212,8 +212,8 @@ def test_guarded_schedules_per_arm_draft_their_own_gamma_or_nothing() -> None:
     target, drafter = tiny_model("llama", seed=0), LookupFirstDrafter(SpyDrafter())
     decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
     cost = CostModel((0.04, 0.042, 0.044, 0.046))
-    lookup = decoder._schedule(config, LOOKUP_ARM, cost)
-    model = decoder._schedule(config, MODEL_ARM, cost)
+    lookup = decoder.schedules.for_arm(config, LOOKUP_ARM, cost)
+    model = decoder.schedules.for_arm(config, MODEL_ARM, cost)
     assert isinstance(lookup, GuardedGamma) and isinstance(model, GuardedGamma)
     assert (lookup.max_gamma, model.max_gamma) == (2, 3)
 
@@ -224,8 +224,8 @@ def test_the_lookup_arm_learns_its_own_draft_cost() -> None:
     decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
     cost = CostModel((0.04, 0.042, 0.044), draft_fixed_s=0.002, draft_per_token_s=0.005)
     config = GenerationConfig(gamma=2, schedule="adaptive")
-    lookup = decoder._schedule(config, LOOKUP_ARM, cost)
-    model = decoder._schedule(config, MODEL_ARM, cost)
+    lookup = decoder.schedules.for_arm(config, LOOKUP_ARM, cost)
+    model = decoder.schedules.for_arm(config, MODEL_ARM, cost)
     assert isinstance(lookup, AdaptiveGamma) and isinstance(model, AdaptiveGamma)
     assert lookup.cost.draft_s(2) == 0 and lookup.learn_draft
     assert model.cost.draft_s(2) == cost.draft_s(2) and not model.learn_draft

@@ -25,7 +25,8 @@ from transformers import PreTrainedModel
 
 from specmtp import decode
 from specmtp.config import SamplingConfig
-from specmtp.drafters import Drafter, DraftModelDrafter, LookupFirstDrafter, NgramDrafter
+from specmtp.draft_model_drafter import DraftModelDrafter
+from specmtp.drafters import Drafter, LookupFirstDrafter, NgramDrafter
 from specmtp.verification import Verdict, verify_rejection_sampling
 
 Verify = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Generator], Verdict]

@@ -10,10 +10,10 @@ from transformers import PreTrainedModel
 
 from specmtp.config import GenerationConfig
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import MTPDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.heads import SequentialMTP, build_heads
 from specmtp.mtp_cache import SequentialDraftCache
+from specmtp.mtp_drafter import MTPDrafter
 from specmtp.tree import TokenTree
 
 LENGTH = 40

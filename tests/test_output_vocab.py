@@ -10,7 +10,7 @@ import torch
 
 from specmtp.api import SpecGenerator, build_drafter
 from specmtp.config import SamplingConfig
-from specmtp.drafters import DraftModelDrafter
+from specmtp.draft_model_drafter import DraftModelDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.models import load_model
 from specmtp.specs import OUTPUT_VOCAB, split_count, split_heads

@@ -12,14 +12,14 @@ import torch
 from conftest import TINY_VOCAB, hf_greedy, perturbed_copy, tiny_model
 from transformers import PreTrainedModel
 
-from specmtp import costmodel, decode
+from specmtp import costmodel, decode, decode_schedules
 from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors, tensor_bytes
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.costmodel import CostModel
 from specmtp.decode import SpecDecoder
+from specmtp.draft_model_drafter import DraftModelDrafter
 from specmtp.drafters import (
     Drafter,
-    DraftModelDrafter,
     LookupFirstDrafter,
     NoMemory,
     Outcome,
@@ -648,12 +648,12 @@ def test_adaptive_measures_a_cost_model_on_first_use(
     assert decoder.generate(PROMPT, config).tokens == reference
     assert decoder.generate(PROMPT, config).tokens == reference
     assert measurements == [5]  # once, for T(1)..T(γ + 1), then kept
-    cost = decoder.cost_model(PROMPT, 4)
+    cost = decoder.schedules.cost_model(PROMPT, 4)
     assert len(cost.verify_s) == 5 and all(t > 0 for t in cost.verify_s)
     assert (cost.draft_fixed_s, cost.draft_per_token_s) == (0.0, 0.0)  # learned while decoding
-    assert decoder.cost_model(PROMPT, 4) is cost
+    assert decoder.schedules.cost_model(PROMPT, 4) is cost
     # A larger γ needs T(n) further out: measured again.
-    assert len(decoder.cost_model(PROMPT, 6).verify_s) == 7
+    assert len(decoder.schedules.cost_model(PROMPT, 6).verify_s) == 7
     assert measurements == [5, 7]
 
 
@@ -677,11 +677,11 @@ def test_adaptive_uses_a_given_cost_model_when_it_covers_gamma(
         max_new_tokens=8, gamma=4, schedule="adaptive", sampling=SamplingConfig(temperature=0.8)
     )
     decoder.generate(PROMPT, sampled)
-    assert decoder.cost_model(PROMPT, 4, fresh=False) is given
+    assert decoder.schedules.cost_model(PROMPT, 4, fresh=False) is given
     assert measurements == []
     decoder.generate(PROMPT, GenerationConfig(max_new_tokens=8, gamma=4, schedule="adaptive"))
     assert measurements == [5]
-    cost = decoder.cost_model(PROMPT, 4)
+    cost = decoder.schedules.cost_model(PROMPT, 4)
     assert cost.verify_s != given.verify_s and len(cost.verify_s) == 5
     assert (cost.draft_fixed_s, cost.draft_per_token_s) == (0.0, 1e-4)
     decoder.generate(PROMPT, GenerationConfig(max_new_tokens=8, gamma=6, schedule="adaptive"))
@@ -738,6 +738,7 @@ def decode_on_fake_clock(
     also when the decoder measures T(n) (greedy runs measure it in process): real timings
     of the tiny model, on a busy machine, once kept an always-right drafter at γ <= 2."""
     monkeypatch.setattr(decode, "time", clock)
+    monkeypatch.setattr(decode_schedules, "time", clock)
     monkeypatch.setattr(costmodel, "time", clock)
     decoder = make_decoder(target, drafter, cost_model=CostModel((VERIFY_S,) * 5))
     forward = decoder.target.forward
@@ -808,12 +809,13 @@ def test_a_drafter_too_dear_to_pay_is_not_retried_on_the_next_sequence(
     first = decoder.generate(PROMPT, config)
     assert first.tokens == reference
     assert first.stats.requested_gammas.get(3) == 2
-    assert list(decoder.learned_draft_s.values()) == [pytest.approx(VERIFY_S)]
+    assert list(decoder.schedules.learned_draft_s.values()) == [pytest.approx(VERIFY_S)]
     second = decoder.generate(PROMPT, config)
     assert second.tokens == reference and set(second.stats.requested_gammas) == {0}
     # Sampling starts from no learned timing: a seed must fix the output in any process.
     sampled = replace(config, sampling=SamplingConfig(temperature=0.8))
-    assert decoder._schedule(sampled, "", CostModel((VERIFY_S,) * 4)).current_cost().draft_s(1) == 0
+    schedule = decoder.schedules.for_arm(sampled, "", CostModel((VERIFY_S,) * 4))
+    assert schedule.current_cost().draft_s(1) == 0
 
 
 @pytest.mark.parametrize("per_read", [0.0, 0.5 * VERIFY_S])
@@ -835,7 +837,7 @@ def test_a_prompt_read_that_drafting_cannot_repay_is_not_made(
         assert result.tokens == reference
         drafting = result.stats.requested_gammas.get(3, 0)
         assert drafting > 0 if per_read == 0 or sequence == 0 else drafting == 0
-    seconds, read = decoder.learned_catch_up[""]
+    seconds, read = decoder.schedules.learned_catch_up[""]
     assert seconds / read == pytest.approx(per_read)
 
 
@@ -856,12 +858,12 @@ def test_the_machine_speed_carries_to_the_next_sequence(
     clock.slowdown = 2.0
     slowed = decoder.generate(PROMPT, config)
     assert slowed.tokens == reference and slowed.stats.requested_gammas.get(3, 0) > 0
-    assert decoder.machine_speed > 1.5  # the speed factor on its way to 2
+    assert decoder.schedules.machine_speed > 1.5  # the speed factor on its way to 2
     after = decoder.generate(PROMPT, config)
     assert after.tokens == reference and after.stats.requested_gammas.get(3, 0) <= 1
     settled = decoder.generate(PROMPT, config)
     assert settled.tokens == reference and set(settled.stats.requested_gammas) == {0}
-    assert list(decoder.learned_draft_s.values()) == [pytest.approx(VERIFY_S)]
+    assert list(decoder.schedules.learned_draft_s.values()) == [pytest.approx(VERIFY_S)]
 
 
 def test_guarded_choices_follow_the_drafter(
@@ -919,7 +921,7 @@ def test_adaptive_schedule_near_the_end_of_the_context() -> None:
     prompt = list(range(3, 15))  # 12 of 16 positions
     config = GenerationConfig(max_new_tokens=3, gamma=6, schedule="adaptive")
     assert decoder.generate(prompt, config).tokens == hf_greedy(target, prompt, 3)
-    assert len(decoder.cost_model(prompt, 6).verify_s) == 7
+    assert len(decoder.schedules.cost_model(prompt, 6).verify_s) == 7
 
 
 # --- the memory budget -------------------------------------------------------------------

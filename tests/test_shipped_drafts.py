@@ -13,8 +13,8 @@ from specmtp.config import GenerationConfig
 from specmtp.decode import GenerationResult
 from specmtp.draft_model import DRAFT_CONFIG, SHIPPED_DRAFTS, load_draft, shipped_drafts_dir
 from specmtp.errors import SpecMTPError
-from specmtp.heads import TRUNK_FILE, check_trunk
 from specmtp.models import LoadedModel, load_model
+from specmtp.trunk import TRUNK_FILE, check_trunk
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def runs(default_model: LoadedModel) -> dict[str, GenerationResult]:
 
 def test_shipped_drafts_record_their_target(default_model: LoadedModel) -> None:
     """Each shipped draft records the default model's weights, so another checkpoint of the
-    architecture is refused (heads.check_trunk, tested on tiny models)."""
+    architecture is refused (trunk.check_trunk, tested on tiny models)."""
     folders = {p.parent for p in shipped_drafts_dir().glob(f"*/{DRAFT_CONFIG}")}
     assert folders and all((folder / TRUNK_FILE).exists() for folder in folders)
     for folder in folders:

@@ -10,10 +10,11 @@ from conftest import SHIPPED_NEW_TOKENS, SHIPPED_PROMPT, tiny_model
 
 from specmtp.api import SpecGenerator, build_drafter
 from specmtp.config import GenerationConfig
-from specmtp.drafters import MTPDrafter
 from specmtp.errors import SpecMTPError
-from specmtp.heads import TRUNK_FILE, load_heads, shipped_heads_dir
+from specmtp.heads_io import load_heads, shipped_heads_dir
 from specmtp.models import LoadedModel, load_model
+from specmtp.mtp_drafter import MTPDrafter
+from specmtp.trunk import TRUNK_FILE
 
 
 @pytest.mark.parametrize("spec", ["mtp", "mtp-tree", "mtp-tree#nodes=4"])

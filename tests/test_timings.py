@@ -11,10 +11,10 @@ from conftest import TINY_VOCAB, perturbed_copy, tiny_model
 from test_schedule import VERIFY_S, ClockedDrafter, FakeTime
 from transformers import PreTrainedModel
 
-from specmtp import costmodel, decode, timings
+from specmtp import costmodel, decode, decode_schedules, timings
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import DraftModelDrafter
+from specmtp.draft_model_drafter import DraftModelDrafter
 from specmtp.kernels import KernelPlan, use_tuned_linear
 from specmtp.stats import GenerationStats
 from specmtp.timings import KernelPlanStore, TimingStore, use_stored_kernel_plan
@@ -41,7 +41,7 @@ def timed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(max_tokens)
         return tuple(1e-3 * t for t in shape[:max_tokens])
 
-    monkeypatch.setattr(decode, "measure_verify_costs", measure)
+    monkeypatch.setattr(decode_schedules, "measure_verify_costs", measure)
     return calls
 
 
@@ -134,6 +134,7 @@ def sample_with_stored_costs(
     costs in stores under tmp_path. Returns the run's stats and the draft costs' store."""
     clock = drafter.clock
     monkeypatch.setattr(decode, "time", clock)
+    monkeypatch.setattr(decode_schedules, "time", clock)
     monkeypatch.setattr(costmodel, "time", clock)
     store = TimingStore.for_model(target, root=tmp_path)
     draft_store = TimingStore.for_model(target, drafter=drafter, root=tmp_path)

@@ -13,11 +13,12 @@ from conftest import tiny_model
 from safetensors.torch import load_file
 
 from specmtp.cli import main
-from specmtp.data import DistillCache, iter_batches, load_train_prompts
+from specmtp.data import DistillCache, iter_batches
 from specmtp.errors import SpecMTPError
-from specmtp.heads import load_heads
+from specmtp.heads_io import load_heads
 from specmtp.models import load_model
 from specmtp.train import TrainConfig, label_ids, train_mtp
+from specmtp.train_prompts import load_train_prompts
 from specmtp.tree import TREE_FILE, TokenTree
 
 PROMPTS = "\n\n".join(

@@ -133,10 +133,10 @@ def test_best_and_auto_use_the_pair(
     gen = SpecGenerator(draft="ngram+mtp", profile=profile)
     config = make_config(**gamma_settings("auto", profile))
     for arm, alphas in profile.arm_alphas.items():
-        schedule = gen.decoder._schedule(config, arm, CostModel((0.05, 0.06, 0.07)))
+        schedule = gen.decoder.schedules.for_arm(config, arm, CostModel((0.05, 0.06, 0.07)))
         assert isinstance(schedule, AdaptiveGamma)
         assert tuple(schedule.prior) == alphas[: schedule.max_gamma]
-    schedule = gen.decoder._schedule(config, "", CostModel((0.05, 0.06, 0.07)))
+    schedule = gen.decoder.schedules.for_arm(config, "", CostModel((0.05, 0.06, 0.07)))
     assert tuple(schedule.prior) == profile.alphas  # type: ignore[attr-defined]
 
 

@@ -1,0 +1,139 @@
+"""Self-speculation: MTP heads draft from the target's own hidden states, as a chain or a
+token tree; and what their shape tells the rest of the package (the tree verified, the most
+tokens drafted per round)."""
+
+from __future__ import annotations
+
+import torch
+
+from specmtp.cache import module_tensors
+from specmtp.config import SamplingConfig
+from specmtp.drafters import Drafter, LookupFirstDrafter, Outcome, Proposal, empty_proposal
+from specmtp.errors import SpecMTPError
+from specmtp.heads import Heads, SequentialMTP
+from specmtp.mtp_cache import SequentialDraftCache
+from specmtp.sampling import choose, greedy_tokens, logits_to_probs
+from specmtp.tree import Candidates, TokenTree, build_tree_tokens, likeliest_subtree
+
+
+class MTPDrafter:
+    """Self-speculation: MTP heads read the target's own last hidden state and draft the
+    tokens after the pending one (head i: x_{t+2+i} from h_t), as a chain or a token tree.
+
+    Parallel heads give every depth's candidates from h_t at once; sequential MTP depths
+    run over the history with their own caches (mtp_cache.py), greedily for a chain and on
+    each node's own path for a tree.
+    Tree candidates and sequential drafts are fixed choices (verified with one-hot q);
+    a sampled chain from parallel heads carries its q for rejection sampling. With `nodes`,
+    each round drafts the whole tree and verifies only its `nodes` likeliest nodes by the
+    heads' own probabilities (a dynamic tree).
+    """
+
+    def __init__(
+        self,
+        heads: Heads,
+        *,
+        tree: TokenTree | None = None,
+        nodes: int | None = None,
+        name: str = "mtp",
+    ) -> None:
+        if nodes is not None and (tree is None or nodes < 1):
+            raise SpecMTPError("a dynamic tree needs a tree to draft and nodes >= 1")
+        self.heads = heads.eval()
+        self.tree = tree
+        self.nodes = nodes
+        self.name = name
+        self.needs_target_hidden = True
+        self.target_hidden_layers = heads.config.feature_layers
+        self.hidden: torch.Tensor | None = None  # [B, 1, H] at the last verified position
+        # Sequential depths attend over the history, as in training: they keep a cache.
+        self.history = SequentialDraftCache(heads) if isinstance(heads, SequentialMTP) else None
+
+    @property
+    def max_depth(self) -> int:
+        return self.heads.config.num_heads
+
+    def reset(self) -> None:
+        self.hidden = None
+        if self.history is not None:
+            self.history.reset()
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return module_tensors(self.heads)
+
+    def kv_bytes(self) -> int:
+        # Parallel heads draft from the target's last hidden state alone: no cache.
+        return 0 if self.history is None else self.history.nbytes()
+
+    def kv_bytes_per_token(self) -> int:
+        return 0 if self.history is None else self.history.bytes_per_position()
+
+    def observe(self, outcome: Outcome) -> None:
+        assert outcome.target_hidden is not None  # the loop keeps it: needs_target_hidden
+        self.hidden = outcome.target_hidden[:, -1:]
+        if self.history is not None:
+            self.history.add_hidden(outcome.target_hidden)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        k = min(k, self.max_depth)
+        if self.hidden is None or k == 0:  # the first round has no verified hidden state yet
+            return empty_proposal(context.shape[0], context.device)
+        if self.tree is not None:
+            return self._tree_proposal(context, k)
+        if self.history is not None:  # sequential depths: their greedy chain
+            return Proposal(self.history.draft(context, k)[0], None)
+        logits = self._head_logits(k)  # [B, k, V] full vocabulary
+        if sampling.greedy:
+            return Proposal(greedy_tokens(logits), None)
+        q = logits_to_probs(logits, sampling)  # [B, k, V]: each head's own distribution
+        return Proposal(choose(q, sampling, generator), q)
+
+    def _head_logits(self, k: int) -> torch.Tensor:
+        """Parallel heads' logits over the full vocabulary for depths 1..k: [B, k, V]."""
+        logits = self.heads(self.hidden)[:, :k, -1]  # [B, K, 1, V'] -> [B, k, V']
+        return self.heads.to_full_logits(logits)
+
+    def _tree_proposal(self, context: torch.Tensor, k: int) -> Proposal:
+        """Parallel heads: every depth's candidates from h_t, whatever the parent. Sequential
+        depths: each node's children come from the depth run on that node's own path."""
+        tree = self.tree.pruned(k)
+        if self.history is not None:
+            drafted = self.history.draft_tree(context, tree)
+            candidates: Candidates = drafted.tokens
+            logprob = drafted.logprob
+        else:
+            logits = self._head_logits(k)  # [B, k, V]
+            width = max(path[-1] for path in tree.paths) + 1
+            top = logits.topk(width, dim=-1)  # [B, k, width]
+            candidates = list(top.indices.unbind(1))  # k x [B, width]
+            logprob = {}
+            if self.nodes is not None:  # each head's log-probability by rank
+                chance = top.values.float() - logits.float().logsumexp(-1, keepdim=True)
+                logprob = {p: sum(chance[:, d, r] for d, r in enumerate(p)) for p in tree.paths}
+        if self.nodes is not None:  # one tree for the batch: the paths' mean log-probability
+            tree = likeliest_subtree({p: float(lp.mean()) for p, lp in logprob.items()}, self.nodes)
+        return Proposal(build_tree_tokens(tree, candidates), None, tree=tree)
+
+
+def drafter_tree(drafter: Drafter | None) -> TokenTree | None:
+    """The token tree a drafter verifies with (a lookup-first drafter: its fallback's), or
+    None for chain drafters."""
+    if isinstance(drafter, LookupFirstDrafter):
+        return drafter_tree(drafter.fallback)
+    return getattr(drafter, "tree", None) if isinstance(drafter, MTPDrafter) else None
+
+
+def drafter_depth(drafter: Drafter | None) -> int | None:
+    """The most tokens a drafter proposes per round, where its own shape bounds that: MTP
+    heads drafting a chain propose one per head, whatever γ is asked. None where only γ
+    bounds it (lookup, draft models, a lookup arm) or a tree's nodes set the verify size."""
+    if isinstance(drafter, MTPDrafter) and drafter.tree is None:
+        return drafter.max_depth
+    return None
