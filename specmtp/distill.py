@@ -2,7 +2,7 @@
 
 Two objectives, one trainer:
 - `distill`: knowledge distillation. The target answers training prompts greedily; the
-  data cache (`specmtp.data`, shared with `train-mtp`) keeps its top-k log-probabilities
+  data cache (`specmtp.data_build`, shared with `train-mtp`) keeps its top-k log-probabilities
   at every position, and the draft minimises KL(p_target,top-k || q_draft) there (the
   top-k mass is the target's; tokens outside the draft vocabulary drop out).
 - `text`: plain next-token cross-entropy on ordinary text (`specmtp.text_data`), never
@@ -12,9 +12,10 @@ With `mtp_heads` > 0 the draft also trains parallel MTP heads on its own final h
 state (Σ λ_i CE_i on the tokens 2+i ahead, `mtp_loss.mtp_losses`), jointly with its
 next-token objective: continued MTP training when `init_from` names a trained draft.
 
-Same machinery as `train-mtp`: accelerate, data-parallel over several processes under
-`torchrun` or `accelerate launch` (`specmtp.parallel`), a progress bar with loss and
-accuracy, metrics.jsonl, atomic checkpoints that a rerun of the same command resumes.
+The same training loop as `train-mtp` (`specmtp.trainer`): accelerate, data-parallel
+over several processes under `torchrun` or `accelerate launch` (`specmtp.parallel`), a
+progress bar with loss and accuracy, metrics.jsonl, atomic checkpoints that a rerun of the
+same command resumes.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """`specmtp train-mtp`: train MTP heads on a frozen target by self-distillation.
 
 The target answers training prompts (greedily, cached with its final hidden states by
-`specmtp.data`); heads learn to predict the answer tokens 2, 3, ... positions ahead from
-those hidden states, with loss Σ_i λ_i CE_i. The trunk never changes, so the target's own
-outputs stay exactly the same. Runs under `accelerate` (CPU, one GPU), and data-parallel
-over several processes under `torchrun` or `accelerate launch` (`specmtp.parallel`);
-checkpoints are atomic and a rerun of the same command resumes.
+`specmtp.data_build`); heads learn to predict the answer tokens 2, 3, ... positions ahead
+from those hidden states, with loss Σ_i λ_i CE_i. The trunk never changes, so the target's
+own outputs stay exactly the same. The training loop is `specmtp.trainer`'s, shared with
+`distill`: accelerate, data-parallel processes, atomic checkpoints that a rerun resumes.
 """
 
 from __future__ import annotations
