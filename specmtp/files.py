@@ -14,7 +14,10 @@ from specmtp.errors import SpecMTPError
 def write_atomically(final: Path, write: Callable[[Path], Any]) -> None:
     """`write(path)` to a temporary file beside `final`, then rename it into place, so a
     killed process never leaves a half-written file under the final name."""
-    fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    try:
+        fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise SpecMTPError(f"cannot write {final}: {first_line(exc)}") from exc
     os.close(fd)
     try:
         write(Path(name))
