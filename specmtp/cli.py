@@ -256,6 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecMTPError as e:
         print(f"specmtp: error: {_one_line(str(e))}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as e:  # a path given that cannot be read or written (an --out under a file)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"specmtp: error: {where}{_one_line(e.strerror or str(e))}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("specmtp: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

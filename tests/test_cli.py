@@ -129,6 +129,17 @@ def test_unknown_draft_spec(capfd: pytest.CaptureFixture[str], draft: str) -> No
     assert_one_line_error(code, err)
 
 
+@pytest.mark.parametrize("command", ["train-mtp", "distill"])
+def test_an_output_folder_that_cannot_be_made_fails_in_one_line(
+    capfd: pytest.CaptureFixture[str], tmp_path: Path, command: str
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker / "out"
+    code, _, err = run_cli(capfd, command, "--data", str(tmp_path), "--out", str(out))
+    assert_one_line_error(code, err, contains=str(out))
+
+
 @pytest.mark.parametrize("prompt", ["", "   \n"])
 def test_empty_prompt(capfd: pytest.CaptureFixture[str], prompt: str) -> None:
     code, _, err = run_cli(capfd, "generate", prompt)
