@@ -59,14 +59,32 @@ def generation_settings(
     return settings
 
 
+def _generate_gamma(args: argparse.Namespace) -> str | None:
+    """`generate`'s --gamma: as given; without it, a sampled run with a drafter runs `auto`.
+    At temperature 0.7 a fixed γ 4 ran 0.73-1.10x of plain decoding (medians by drafter) and
+    `auto` 1.14-1.28x (docs/tuning-and-measurement.md, section 25): sampled drafts are
+    accepted less, and its timings are stored per machine, so it costs no start-up after
+    the first run. Greedy runs keep the config's fixed γ (section 20)."""
+    if args.gamma is not None or args.draft is None:
+        return args.gamma
+    return "auto" if (args.temperature or 0.0) > 0 else None
+
+
 def _profile_for(
-    target: str, draft: str | None, gamma: str | None, path: Path | None, dtype: str
+    target: str,
+    draft: str | None,
+    gamma: str | None,
+    path: Path | None,
+    dtype: str,
+    *,
+    notice: bool = True,
 ) -> Profile | None:
-    """The tuning profile that `--gamma auto/best` starts from, if any."""
+    """The tuning profile that `--gamma auto/best` starts from, if any; with `notice`, a
+    line on stderr when `auto` has none."""
     if draft is None or (gamma not in ("auto", "best") and path is None):
         return None
     profile = find_profile(target, draft, path, dtype=dtype)
-    if profile is None and gamma == "auto":
+    if profile is None and gamma == "auto" and notice:
         print(
             f"specmtp: no tuning profile for {target} with {draft}; the adaptive schedule "
             "times the target's costs (sampled runs: once per machine, then stored; run "
@@ -94,7 +112,11 @@ def _use_machine_kernels(
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    profile = _profile_for(args.target, args.draft, args.gamma, args.profile, args.dtype)
+    asked = args.gamma
+    args.gamma = _generate_gamma(args)
+    profile = _profile_for(
+        args.target, args.draft, args.gamma, args.profile, args.dtype, notice=asked is not None
+    )
     config = make_config(**generation_settings(args, profile))  # fails before any model load
     generator = SpecGenerator(
         args.target, draft=args.draft, profile=profile, dtype=DTYPES[args.dtype]
@@ -118,7 +140,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print()
     print(stats.summary())
     if args.json:
-        print(json.dumps({**stats.to_dict(), "draft": args.draft, "text": text}))
+        gamma = None if args.draft is None else args.gamma or str(config.gamma)
+        print(json.dumps({**stats.to_dict(), "draft": args.draft, "gamma": gamma, "text": text}))
     return 0
 
 

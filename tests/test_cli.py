@@ -82,6 +82,25 @@ def test_generate_ngram_json(capfd: pytest.CaptureFixture[str]) -> None:
     assert "mean accepted tokens" in out  # the human summary precedes the JSON line
 
 
+@pytest.mark.parametrize(
+    ("flags", "gamma"),
+    [
+        ([], "4"),  # greedy: the config's fixed γ
+        (["--temperature", "0.7"], "auto"),  # sampled: adaptive unless told
+        (["--temperature", "0.7", "--gamma", "2"], "2"),
+    ],
+)
+def test_generate_drafts_auto_when_sampling_unless_told(
+    capfd: pytest.CaptureFixture[str], flags: list[str], gamma: str
+) -> None:
+    code, out, err = run_cli(
+        capfd, "generate", PROMPT, "--draft", "ngram", "--chat", "--json", *flags, *FAST
+    )
+    assert code == 0, err
+    assert err == ""  # no notice about a missing profile: auto was not asked for
+    assert json.loads(out.strip().splitlines()[-1])["gamma"] == gamma
+
+
 def test_stream_prints_the_same_text(capfd: pytest.CaptureFixture[str]) -> None:
     argv = ["generate", PROMPT, "--draft", "ngram", "--chat", "--json", "--gamma", "3", *FAST]
     code, plain_out, _ = run_cli(capfd, *argv)
