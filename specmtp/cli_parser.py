@@ -73,12 +73,19 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+def _add_generation_flags(
+    parser: argparse.ArgumentParser, *, sampled_gamma: str | None = None
+) -> None:
+    """The generation settings' flags; `sampled_gamma`: the --gamma a sampled run takes
+    when none is given, if not the config's (generate: auto)."""
     gen, sampling = GenerationConfig(), SamplingConfig()
+    default = f"default {gen.gamma}"
+    if sampled_gamma is not None:
+        default += f"; {sampled_gamma} at temperature > 0"
     parser.add_argument(
         "--gamma",
         type=_gamma_arg,
-        help=f"draft tokens per round: N (default {gen.gamma}), N/M (ngram+SPEC drafters: N "
+        help=f"draft tokens per round: N ({default}), N/M (ngram+SPEC drafters: N "
         "in lookup rounds, M in the model's), auto (adaptive, from the tuning profile if "
         "any; one schedule per arm of an ngram+SPEC drafter), best (the profile's fastest "
         "fixed γ), hf (Hugging Face's +2/-1 schedule) or guard:N, guard:N/M (fixed, but "
@@ -117,7 +124,7 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         "likeliest nodes each round); general, distilled, distilled-mtp (shipped drafts); "
         "ngram[:N]+SPEC (lookup when it finds a match, SPEC otherwise); omitted: plain decoding",
     )
-    _add_generation_flags(gen)
+    _add_generation_flags(gen, sampled_gamma="auto")  # cli._generate_gamma
     gen.add_argument(
         "--stop",
         action="append",
