@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from specmtp.api import eos_token_ids
+from specmtp.drafter_specs import eos_token_ids
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel
 

@@ -341,7 +341,7 @@ def run_bench(config: BenchConfig, *, log: Log = log_to_stderr) -> BenchResult:
     warmup = replace(
         config.generation, max_new_tokens=min(WARMUP_TOKENS, config.generation.max_new_tokens)
     )
-    rows = verify_rows(runners)
+    rows = verify_rows(runners, config.generation)
     if config.stored_kernels:
         context = target.context_length
         plan = use_stored_kernel_plan(target.model, rows=rows, context_length=context, log=log)

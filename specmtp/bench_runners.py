@@ -3,7 +3,7 @@ Face's own speculative methods.
 
 A method is named by a spec:
 - `ar`: plain decoding by our decoder, the baseline.
-- `DRAFT[@GAMMA]`: our decoder with a draft (see api.build_drafter); GAMMA is N, `auto`
+- `DRAFT[@GAMMA]`: our decoder with a draft (see drafter_specs.build_drafter); GAMMA is N, `auto`
   (adaptive schedule, from the pair's tuning profile if any), `best` (the profile's fastest
   fixed γ), `hf` (Hugging Face's +2/-1 schedule run by our engine) or `guard:N` (N behind
   the never-slower guard: plain rounds while N is predicted not to pay); default: --gamma.
@@ -26,7 +26,7 @@ from specmtp.config import GenerationConfig
 from specmtp.drafters import has_arms
 from specmtp.errors import SpecMTPError
 from specmtp.hf_baselines import HFGenerator, HFRun, HFSettings, hf_default_assisted
-from specmtp.kernels import MAX_ROWS, stock_kernels
+from specmtp.kernels import stock_kernels
 from specmtp.models import LoadedModel, dtype_name, load_model
 from specmtp.profile import Profile, find_profile
 from specmtp.stats import GenerationStats, resident_bytes
@@ -123,20 +123,17 @@ def build_runner(
     return SpecRunner(generator, settings)
 
 
-def verify_rows(runners: dict[str, Runner]) -> int:
-    """The most rows our methods' verify passes can hold (kernels.MAX_ROWS at most): γ + 1
-    for a fixed γ (the larger of a pair) or the adaptive schedule's largest γ, MAX_ROWS for
-    trees and the heuristic (no bound). The kernel plan is measured, and its weight layout
-    chosen, for 1..this many rows."""
+def verify_rows(runners: dict[str, Runner], config: GenerationConfig) -> int:
+    """The most rows our methods' verify passes can hold under `config` with each method's
+    settings (SpecDecoder's schedules.verify_rows: γ + 1 where the drafter bounds γ, up to
+    kernels.MAX_ROWS). The kernel plan is measured, and its weight layout chosen, for 1..this
+    many rows."""
     rows = 1
     for runner in runners.values():
-        if not isinstance(runner, SpecRunner) or runner.gen.decoder.drafter is None:
-            continue  # plain decoding verifies 1 row; Hugging Face's methods: stock kernels
-        settings = runner.settings
-        if "gamma" not in settings or getattr(runner.gen.decoder.drafter, "tree", None):
-            return MAX_ROWS
-        rows = max(rows, settings["gamma"] + 1, settings.get("model_gamma", 0) + 1)
-    return min(rows, MAX_ROWS)
+        if isinstance(runner, SpecRunner):  # Hugging Face's methods: stock kernels
+            settings = replace(config, **runner.settings)
+            rows = max(rows, runner.gen.decoder.schedules.verify_rows(settings))
+    return rows
 
 
 def _hf_runner(name: str, gamma: str, target: LoadedModel) -> HFRunner:

@@ -21,12 +21,13 @@ from typing import Any, TypeVar
 import torch
 from transformers.utils import logging as hf_logging
 
-from specmtp.api import SpecGenerator, gamma_settings, load_small_draft, make_config
+from specmtp.api import SpecGenerator, gamma_settings, make_config
 from specmtp.bench import BenchConfig, log_to_stderr, run_bench
 from specmtp.cli_parser import build_parser, parse_numbers, parse_size
 from specmtp.config import GenerationConfig
 from specmtp.distill import DistillTrainConfig, train_draft
 from specmtp.draft_export import export_hf_draft
+from specmtp.drafter_specs import load_small_draft
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import set_tuned_linear
 from specmtp.models import DTYPES, load_model
@@ -95,17 +96,16 @@ def _profile_for(
 
 
 def _use_machine_kernels(
-    generator: SpecGenerator, config: GenerationConfig, *, drafts: bool, quiet: bool
+    generator: SpecGenerator, config: GenerationConfig, *, quiet: bool
 ) -> None:
     """The target's kernel plan measured once on this machine for the verify passes this
     run makes (timings.use_stored_kernel_plan; a profile's plan comes first). On this
     project's CPU, 128 tokens, medians of 3: plain decoding 58.8 ms per token with the
     loaded defaults against 49.3 ms, the MTP heads at γ 4 39.6 against 33.4 ms."""
-    gamma = max(config.gamma, config.model_gamma or 0) if drafts else 0
     target = generator.target
     use_stored_kernel_plan(
         target.model,
-        rows=gamma + 1,
+        rows=generator.decoder.schedules.verify_rows(config),
         context_length=target.context_length,
         log=(lambda line: None) if quiet else log_to_stderr,
     )
@@ -124,7 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = generator.encode(args.prompt, chat=args.chat)
     generator.decoder.check_request(ids, config)  # bad input fails before kernels are timed
     if profile is None or not profile.meta.get("kernel_plan"):
-        _use_machine_kernels(generator, config, drafts=args.draft is not None, quiet=args.json)
+        _use_machine_kernels(generator, config, quiet=args.json)
     if args.stream:
         for delta in generator.stream(ids, config=config):
             print(delta, end="", flush=True)

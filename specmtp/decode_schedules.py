@@ -26,7 +26,8 @@ from specmtp.drafters import (
     drafter_catch_up,
     has_arms,
 )
-from specmtp.mtp_drafter import drafter_depth
+from specmtp.kernels import MAX_ROWS
+from specmtp.mtp_drafter import drafter_depth, drafter_tree
 from specmtp.schedule import (
     AdaptiveGamma,
     FixedGamma,
@@ -111,6 +112,17 @@ class DecodeSchedules:
             return gamma
         depth = drafter_depth(getattr(self.drafter, "fallback", self.drafter))
         return gamma if depth is None else min(gamma, depth)
+
+    def verify_rows(self, config: GenerationConfig) -> int:
+        """The most rows one verify pass of `config` can hold, kernels.MAX_ROWS at most: 1
+        without a drafter, the largest arm's γ + 1 (three MTP heads: 4 rows under `--gamma
+        auto`, whose largest γ is 8), MAX_ROWS for trees and Hugging Face's heuristic (no
+        bound). The kernel plan is measured for 1..this many rows."""
+        if self.drafter is None:
+            return 1
+        if config.schedule == "heuristic" or drafter_tree(self.drafter) is not None:
+            return MAX_ROWS
+        return min(max(self.arm_gamma(config, arm) for arm in self._arms()) + 1, MAX_ROWS)
 
     def for_arm(self, config: GenerationConfig, arm: str, cost: CostModel | None) -> Schedule:
         """The schedule of one drafter arm. The model arm of a lookup-first drafter starts

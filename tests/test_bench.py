@@ -371,7 +371,9 @@ def test_context_sweep_needs_text_prompts(capfd: pytest.CaptureFixture[str]) -> 
     [
         (["ar"], 1),  # plain decoding alone: the plan and layout for one row
         (["ar", "ngram@3"], 4),
-        (["ar", "ngram@1", "ngram+mtp@3/5"], 6),  # the larger γ of a pair
+        (["ar", "ngram@1", "ngram+distilled@3/5"], 6),  # the larger γ of a pair
+        (["ar", "ngram+mtp@3/5"], 4),  # three heads propose 3 tokens at most
+        (["ar", "mtp@auto"], 4),
         (["ar", "ngram@20"], 8),  # at most MAX_ROWS
         (["ar", "ngram@hf"], 8),  # the heuristic has no bound: every row count
         (["ar", "ngram@auto"], 8),  # the adaptive schedule's largest γ, 8 without a profile
@@ -382,7 +384,7 @@ def test_context_sweep_needs_text_prompts(capfd: pytest.CaptureFixture[str]) -> 
 def test_the_kernel_plan_covers_the_verify_passes_to_come(methods: list[str], rows: int) -> None:
     target = load_model("default")
     runners = {m: build_runner(m, target, GenerationConfig()) for m in methods}
-    assert verify_rows(runners) == rows
+    assert verify_rows(runners, GenerationConfig()) == rows
 
 
 def test_costs_are_timed_after_the_median_prompt_and_half_its_plain_answer() -> None:

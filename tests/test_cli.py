@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from specmtp import cli
 from specmtp.cli import main
 from specmtp.models import load_model
 
@@ -99,6 +100,30 @@ def test_generate_drafts_auto_when_sampling_unless_told(
     assert code == 0, err
     assert err == ""  # no notice about a missing profile: auto was not asked for
     assert json.loads(out.strip().splitlines()[-1])["gamma"] == gamma
+
+
+@pytest.mark.parametrize(
+    ("flags", "rows"),
+    [
+        ([], 1),  # plain decoding
+        (["--draft", "mtp", "--gamma", "2"], 3),
+        (["--draft", "mtp", "--temperature", "0.7"], 4),  # auto allows γ 8; three heads draft 3
+        (["--draft", "ngram", "--temperature", "0.7"], 8),  # γ 8 + 1, capped at MAX_ROWS
+    ],
+)
+def test_generate_times_kernels_for_the_verify_passes_it_can_make(
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flags: list[str],
+    rows: int,
+) -> None:
+    asked: list[int] = []
+    monkeypatch.setattr(
+        cli, "use_stored_kernel_plan", lambda model, *, rows, **_: asked.append(rows)
+    )
+    code, _, err = run_cli(capfd, "generate", PROMPT, "--chat", "--json", *flags, *FAST)
+    assert code == 0, err
+    assert asked == [rows]
 
 
 def test_stream_prints_the_same_text(capfd: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,196 @@
+"""Drafters from `--draft` specs: prompt lookup, MTP heads (chain or tree), shipped and
+user draft models (with `#vocab=N` and `#heads=DIR`), and lookup-first pairs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specmtp.draft_model import (
+    DRAFT_CONFIG,
+    SHIPPED_DRAFTS,
+    DraftLM,
+    is_draft_dir,
+    load_draft,
+    shipped_drafts_dir,
+)
+from specmtp.draft_model_drafter import DraftModelDrafter
+from specmtp.drafters import Drafter, LookupFirstDrafter, NgramDrafter
+from specmtp.errors import SpecMTPError
+from specmtp.heads import SequentialMTP
+from specmtp.heads_io import load_heads, shipped_heads_dir
+from specmtp.kernels import tuned_linear_enabled, use_tuned_linear
+from specmtp.models import LoadedModel, check_tokenizers_agree, load_model, usable_vocab_size
+from specmtp.mtp_drafter import MTPDrafter
+from specmtp.output_vocab import output_vocab_ids
+from specmtp.specs import DRAFT_HEADS, OUTPUT_VOCAB, TREE_NODES, split_count, split_heads
+from specmtp.tree import TREE_FILE, TokenTree
+
+
+def build_drafter(
+    spec: str | Drafter | None, target: LoadedModel, *, dtype: torch.dtype = torch.float32
+) -> tuple[Drafter | None, int]:
+    """Turn a draft spec string into a drafter; also return the vocabulary both share.
+
+    This is the one place that dispatches on the spec: `ngram` or `ngram:N` (longest
+    n-gram N); `mtp` / `mtp:HEADS_DIR` (MTP heads drafting a chain); `mtp-tree`,
+    `mtp-tree:HEADS_DIR` (a tree, from the heads' tree.json) or `mtp-tree:TREE.json` (a
+    custom tree on the shipped heads), each with `#nodes=N` for a dynamic tree (the tree's N
+    likeliest nodes each round); `general`, `distilled`, `distilled-mtp` (drafts shipped
+    for the default model; `distilled-mtp-ar` drafts with its LM head alone) or
+    `draft:DIR` / `draft-ar:DIR` (one made by `specmtp distill`); `ngram+SPEC` or
+    `ngram:N+SPEC` (prompt lookup when the context's last 2..N tokens occurred before, SPEC
+    otherwise); otherwise a model spec as for the target, with `#vocab=N` (its output matrix
+    cut to N tokens) and/or `#heads=DIR` last (MTP heads trained on that model). A Drafter
+    object is used as is.
+    """
+    target_vocab = usable_vocab_size(target, target)
+    if spec is None or not isinstance(spec, str):
+        return spec, target_vocab
+    name, at, gamma = spec.partition("@")
+    if at and (name.startswith("ngram") or name.partition(":")[0].partition("#")[0]
+               in ("mtp", "mtp-tree", "draft", "draft-ar", *SHIPPED_DRAFTS)):  # fmt: skip
+        raise SpecMTPError(
+            f"draft {spec!r}: the @gamma suffix is `specmtp bench --draft` syntax; "
+            f"here give --draft {name} --gamma {gamma}"
+        )
+    if spec.startswith("ngram") and "+" in spec:
+        return build_lookup_first_drafter(spec, target, dtype=dtype)
+    spec, heads_dir = split_heads(spec)
+    spec, nodes = split_count(spec, TREE_NODES, f"mtp-tree{TREE_NODES}N")
+    spec, output_vocab = split_count(spec, OUTPUT_VOCAB, f"MODEL{OUTPUT_VOCAB}N")
+    method, _, argument = spec.partition(":")
+    if nodes is not None and method != "mtp-tree":
+        raise SpecMTPError(f"{TREE_NODES}N applies to mtp-tree drafters, not to {spec!r}")
+    for option, value in ((OUTPUT_VOCAB + "N", output_vocab), (DRAFT_HEADS + "DIR", heads_dir)):
+        if value is not None and (
+            method in ("mtp", "mtp-tree", "draft", "draft-ar", "ngram") or method in SHIPPED_DRAFTS
+        ):
+            raise SpecMTPError(
+                f"{option} applies to a draft model given by name or path, not to {spec!r}"
+            )
+    if method in ("mtp", "mtp-tree"):
+        return build_mtp_drafter(
+            spec, target, tree=method == "mtp-tree", path=argument, nodes=nodes
+        ), target_vocab
+    if method in SHIPPED_DRAFTS or method in ("draft", "draft-ar"):
+        return build_small_drafter(spec, target), target_vocab
+    if spec == "ngram" or spec.startswith("ngram:"):
+        size = spec.partition(":")[2] or "3"
+        if not size.isdigit() or int(size) < 1:
+            raise SpecMTPError(f"bad n-gram draft spec {spec!r}: use ngram or ngram:N with N >= 1")
+        return NgramDrafter(max_ngram=int(size)), target_vocab
+    return build_model_drafter(
+        spec, target, dtype=dtype, output_vocab=output_vocab, heads_dir=heads_dir
+    )
+
+
+def build_model_drafter(
+    spec: str,
+    target: LoadedModel,
+    *,
+    dtype: torch.dtype,
+    output_vocab: int | None = None,
+    heads_dir: str | None = None,
+) -> tuple[DraftModelDrafter, int]:
+    """A causal LM with the target's tokenizer, given by name or path, drafting on its own
+    or, with `heads_dir`, with MTP heads trained on it (several tokens a forward)."""
+    draft = load_model(spec, dtype=dtype)
+    check_tokenizers_agree(
+        target.tokenizer, draft.tokenizer, target_name=target.spec, draft_name=draft.spec
+    )
+    vocab = usable_vocab_size(target, draft)
+    heads = None
+    if heads_dir is not None:  # before the output matrix is cut: the heads check its shape
+        heads, config = load_heads(heads_dir, target_model=draft.model)
+        largest = config.vocab_size - 1 if config.draft_vocab is None else max(config.draft_vocab)
+        if isinstance(heads, SequentialMTP) and largest >= vocab:
+            raise SpecMTPError(
+                f"the sequential heads in {heads_dir} can draft token id {largest}, but the "
+                f"target's vocabulary ends at {vocab - 1}; train them with --draft-vocab"
+            )
+    name = spec if output_vocab is None else f"{spec}{OUTPUT_VOCAB}{output_vocab}"
+    name = name if heads_dir is None else f"{name}{DRAFT_HEADS}{heads_dir}"
+    kept = None
+    if output_vocab is not None:
+        kept = output_vocab_ids(draft, output_vocab, vocab, always=eos_token_ids(draft))
+    drafter = DraftModelDrafter(
+        draft.model, vocab_size=vocab, name=name, heads=heads, output_ids=kept
+    )
+    return drafter, vocab
+
+
+def build_lookup_first_drafter(
+    spec: str, target: LoadedModel, *, dtype: torch.dtype
+) -> tuple[LookupFirstDrafter, int]:
+    """`ngram+SPEC` / `ngram:N+SPEC`: prompt lookup over matches of 2..N tokens (N = 3 by
+    default), the drafter SPEC when there is none."""
+    lookup, _, rest = spec.partition("+")
+    size = lookup.partition(":")[2] or "3"
+    if lookup not in ("ngram", f"ngram:{size}") or not size.isdigit() or int(size) < 2:
+        raise SpecMTPError(f"bad draft spec {spec!r}: use ngram+SPEC or ngram:N+SPEC, N >= 2")
+    if not rest or rest.startswith("ngram"):
+        raise SpecMTPError(f"bad draft spec {spec!r}: after ngram+ name a model drafter")
+    fallback, vocab = build_drafter(rest, target, dtype=dtype)
+    assert fallback is not None  # rest is a non-empty spec
+    return LookupFirstDrafter(fallback, max_ngram=int(size)), vocab
+
+
+def build_small_drafter(spec: str, target: LoadedModel) -> DraftModelDrafter:
+    """A draft made by `specmtp distill`: shipped by name, or from a directory. It drafts
+    several tokens per forward when it has MTP heads, unless the spec ends in `-ar`."""
+    draft = load_small_draft(spec, target)
+    if tuned_linear_enabled() and draft.device.type == "cpu":
+        use_tuned_linear(draft)
+    multi_token = draft.heads is not None and not spec.partition(":")[0].endswith("-ar")
+    return DraftModelDrafter(
+        draft, vocab_size=usable_vocab_size(target, target), name=spec, multi_token=multi_token
+    )
+
+
+def load_small_draft(spec: str, target: LoadedModel) -> DraftLM:
+    """The draft named by a shipped name (`distilled`, ...) or `draft:DIR` / `draft-ar:DIR`."""
+    method, _, path = spec.partition(":")
+    if method in SHIPPED_DRAFTS:
+        directory = shipped_drafts_dir() / SHIPPED_DRAFTS[method]
+    elif method in ("draft", "draft-ar") and path:
+        directory = Path(path)
+    else:
+        raise SpecMTPError(f"bad draft spec {spec!r}: use draft:DIR, draft-ar:DIR or a shipped "
+                           f"draft ({', '.join(SHIPPED_DRAFTS)})")  # fmt: skip
+    if not is_draft_dir(directory):
+        raise SpecMTPError(f"no draft in {directory} (it has no {DRAFT_CONFIG})")
+    return load_draft(directory, target=target.model)
+
+
+def build_mtp_drafter(
+    spec: str, target: LoadedModel, *, tree: bool, path: str, nodes: int | None = None
+) -> MTPDrafter:
+    """MTP heads for `target`: the ones shipped for the default model unless a path is given;
+    with `nodes`, a dynamic tree of that many nodes out of the tree."""
+    heads_dir, tree_file = shipped_heads_dir(), None
+    if path.endswith(".json"):
+        tree_file = Path(path)
+    elif path:
+        heads_dir = Path(path)
+    heads, _ = load_heads(heads_dir, target_model=target.model)
+    token_tree = None
+    if tree:
+        token_tree = TokenTree.load(tree_file or heads_dir / TREE_FILE)
+        if token_tree.max_depth > heads.config.num_heads:
+            raise SpecMTPError(
+                f"the tree is {token_tree.max_depth} deep but the heads predict "
+                f"{heads.config.num_heads} tokens"
+            )
+    name = spec if nodes is None else f"{spec}{TREE_NODES}{nodes}"
+    return MTPDrafter(heads, tree=token_tree, nodes=nodes, name=name)
+
+
+def eos_token_ids(loaded: LoadedModel) -> list[int]:
+    """The ids that end generation: the generation config's and the tokenizer's."""
+    ids = loaded.model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.append(loaded.tokenizer.eos_token_id)
+    return sorted(set(ids))
