@@ -37,7 +37,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from specmtp.errors import SpecMTPError
 from specmtp.files import write_atomically
-from specmtp.heads import HeadsConfig, ParallelHeads, VocabProjection, describe_target
+from specmtp.heads import ParallelHeads, VocabProjection, describe_target
+from specmtp.heads_config import HeadsConfig
 from specmtp.trunk import check_trunk, write_trunk
 
 DRAFT_WEIGHTS = "draft.safetensors"

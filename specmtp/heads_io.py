@@ -17,7 +17,8 @@ from transformers import PreTrainedModel
 
 from specmtp.errors import SpecMTPError
 from specmtp.files import first_line, write_atomically
-from specmtp.heads import Heads, HeadsConfig, build_heads, describe_target, target_lm_head
+from specmtp.heads import Heads, build_heads, describe_target, target_lm_head
+from specmtp.heads_config import HeadsConfig
 from specmtp.trunk import check_trunk, write_trunk
 
 HEADS_WEIGHTS = "heads.safetensors"

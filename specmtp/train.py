@@ -22,14 +22,8 @@ import torch
 from specmtp.data import DistillBatch, DistillCache, is_heldout, iter_batches, model_fingerprint
 from specmtp.data_build import DistillConfig, build_cache, rescore_cache
 from specmtp.errors import SpecMTPError
-from specmtp.heads import (
-    Heads,
-    HeadsConfig,
-    build_heads,
-    check_feature_layers,
-    describe_target,
-    widen_heads,
-)
+from specmtp.heads import Heads, build_heads, describe_target, widen_heads
+from specmtp.heads_config import HeadsConfig, check_feature_layers
 from specmtp.heads_io import HEADS_WEIGHTS, load_heads, save_heads
 from specmtp.models import DTYPES, LoadedModel, load_model
 from specmtp.mtp_loss import RANKS, decaying_weights, mtp_losses

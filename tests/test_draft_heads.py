@@ -17,7 +17,8 @@ from specmtp.config import SamplingConfig
 from specmtp.draft_model_drafter import DraftModelDrafter
 from specmtp.drafters import Outcome
 from specmtp.errors import SpecMTPError
-from specmtp.heads import HeadsConfig, SequentialMTP, build_heads, describe_target
+from specmtp.heads import SequentialMTP, build_heads, describe_target
+from specmtp.heads_config import HeadsConfig
 from specmtp.heads_io import save_heads
 from specmtp.models import load_model
 from specmtp.sampling import logits_to_probs

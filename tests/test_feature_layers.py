@@ -19,13 +19,8 @@ from specmtp.config import GenerationConfig
 from specmtp.data import DistillCache
 from specmtp.decode import SpecDecoder
 from specmtp.errors import SpecMTPError
-from specmtp.heads import (
-    HeadsConfig,
-    SequentialMTP,
-    build_heads,
-    target_features,
-    widen_heads,
-)
+from specmtp.heads import SequentialMTP, build_heads, target_features, widen_heads
+from specmtp.heads_config import HeadsConfig
 from specmtp.heads_io import load_heads
 from specmtp.models import load_model
 from specmtp.mtp_cache import SequentialDraftCache

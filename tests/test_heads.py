@@ -14,14 +14,8 @@ from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
 from specmtp.errors import SpecMTPError
-from specmtp.heads import (
-    Heads,
-    HeadsConfig,
-    ParallelHeads,
-    SequentialMTP,
-    build_heads,
-    describe_target,
-)
+from specmtp.heads import Heads, ParallelHeads, SequentialMTP, build_heads, describe_target
+from specmtp.heads_config import HeadsConfig
 from specmtp.heads_io import HEADS_CONFIG, HEADS_WEIGHTS, load_heads, save_heads
 from specmtp.trunk import TRUNK_FILE
 

@@ -12,7 +12,8 @@ from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
 from specmtp.drafters import LookupFirstDrafter, Proposal
 from specmtp.errors import SpecMTPError
-from specmtp.heads import Heads, HeadsConfig, build_heads, describe_target
+from specmtp.heads import Heads, build_heads, describe_target
+from specmtp.heads_config import HeadsConfig
 from specmtp.mtp_drafter import MTPDrafter
 from specmtp.mtp_loss import decaying_weights, mtp_losses
 from specmtp.tree import TokenTree

@@ -19,7 +19,8 @@ from test_train import prompts  # noqa: F401  (a fixture)
 
 from specmtp.checkpoint import _PREFIX
 from specmtp.data import DistillCache, iter_batches
-from specmtp.heads import HeadsConfig, build_heads
+from specmtp.heads import build_heads
+from specmtp.heads_config import HeadsConfig
 from specmtp.heads_io import HEADS_CONFIG
 from specmtp.models import load_model
 from specmtp.mtp_loss import decaying_weights, mtp_losses
