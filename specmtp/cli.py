@@ -211,6 +211,12 @@ def cmd_train_mtp(args: argparse.Namespace) -> int:
     if report is None:  # another process of a data-parallel run: the main one reports
         return 0
     print(f"heads written to {config.out}; held-out top-1 per head: {report.heldout_accuracy}")
+    if report.model is not None:
+        print(
+            f"model written to {report.model}: its greedy token is the target's at "
+            f"{report.next_token_agreement:.1%} of held-out answer positions; draft for it "
+            f"with --target {report.model} --draft mtp:{config.out}"
+        )
     print(json.dumps(dataclasses.asdict(report)))
     return 0
 

@@ -301,9 +301,15 @@ def _add_train_mtp_command(commands: argparse._SubParsersAction) -> None:
         "e.g. 3,15,30 (0: the embeddings; the number of layers: the final state, which "
         "must come last with --init-from heads on it alone); default: the final state",
     )  # fmt: skip
+    train.add_argument(
+        "--joint", action="store_true",
+        help="continued MTP training: train the target's layers with the heads, keeping its "
+        "next-token loss, and write the new model to OUT/model (its greedy output can "
+        "differ from the target's; draft for it with --target OUT/model --draft mtp:OUT)",
+    )  # fmt: skip
     _add_field_flags(train, defaults, [
         ("num_heads", int), ("num_layers", int), ("draft_vocab", int), ("decay", float),
-        *_TRAINING_FLAGS,
+        ("trunk_lr", float), *_TRAINING_FLAGS,
     ])  # fmt: skip
 
 

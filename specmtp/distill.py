@@ -50,8 +50,8 @@ from specmtp.models import DTYPES, LoadedModel, load_model
 from specmtp.mtp_loss import decaying_weights, mtp_losses, topk_kl
 from specmtp.parallel import DataParallel, make_accelerator
 from specmtp.text_data import TextChunks, iter_text_batches, load_texts, tokenize_chunks
-from specmtp.train import answer_token_counts
 from specmtp.train_prompts import load_train_prompts
+from specmtp.train_setup import answer_token_counts
 from specmtp.trainer import Logged, Objective, run_training
 
 OBJECTIVES = ("distill", "text")

@@ -3,8 +3,9 @@
 The target answers training prompts (greedily, cached with its final hidden states by
 `specmtp.data_build`); heads learn to predict the answer tokens 2, 3, ... positions ahead
 from those hidden states, with loss Σ_i λ_i CE_i. The trunk never changes, so the target's
-own outputs stay exactly the same. The training loop is `specmtp.trainer`'s, shared with
-`distill`: accelerate, data-parallel processes, atomic checkpoints that a rerun resumes.
+own outputs stay exactly the same; `--joint` trains the target with them instead
+(`specmtp.train_joint`). The training loop is `specmtp.trainer`'s, shared with `distill`:
+accelerate, data-parallel processes, atomic checkpoints that a rerun resumes.
 """
 
 from __future__ import annotations
@@ -12,28 +13,37 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
-from specmtp.data import DistillBatch, DistillCache, is_heldout, iter_batches, model_fingerprint
-from specmtp.data_build import DistillConfig, build_cache, rescore_cache
+from specmtp.data import DistillBatch, DistillCache, iter_batches, model_fingerprint
+from specmtp.data_build import DistillConfig
 from specmtp.errors import SpecMTPError
-from specmtp.heads import Heads, build_heads, describe_target, widen_heads
+from specmtp.heads import Heads, build_heads
 from specmtp.heads_config import HeadsConfig, check_feature_layers
-from specmtp.heads_io import HEADS_WEIGHTS, load_heads, save_heads
+from specmtp.heads_io import HEADS_WEIGHTS, save_heads
 from specmtp.models import DTYPES, LoadedModel, load_model
 from specmtp.mtp_loss import RANKS, decaying_weights, mtp_losses
 from specmtp.parallel import DataParallel, make_accelerator
-from specmtp.train_prompts import load_train_prompts
+from specmtp.train_joint import (
+    JOINT_MODEL_DIR,
+    JointModule,
+    heldout_agreement,
+    joint_losses,
+    save_trunk,
+    trainable_trunk,
+)
+from specmtp.train_setup import data_cache, initial_heads, make_heads_config
 from specmtp.trainer import Logged, Objective, run_training
 from specmtp.tree import TREE_FILE, best_tree
 
 HEAD_OBJECTIVES = ("tokens", "kl")
-KL_TOPK = 20  # target log-probabilities cached per position when --objective kl builds data
+Features = Callable[[DistillBatch], torch.Tensor]  # a batch -> what the heads read [B, T, F]
 # Nodes of the token tree written beside the heads: on a CPU, verifying 16 tokens costs
 # about 1.8x a one-token step for the default model, so wider trees stop paying.
 TREE_BUDGET = 16
@@ -79,6 +89,10 @@ class TrainConfig:
     # heads.target_features), e.g. (3, 15, 30); None: the final state alone. With
     # init_from heads on the final state alone, they are widened (heads.widen_heads).
     feature_layers: tuple[int, ...] | None = None
+    # Continued MTP training (train_joint.py): the target's layers are trained with the
+    # heads, keeping its next-token loss, at their own learning rate; OUT/model is the result.
+    joint: bool = False
+    trunk_lr: float = 2e-5
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -87,8 +101,8 @@ class TrainConfig:
         for name in (*positive, "checkpoint_every", "eval_every"):
             if getattr(self, name) < 1:
                 raise SpecMTPError(f"{name.replace('_', '-')} must be >= 1")
-        if self.draft_vocab < 0 or not 0 < self.decay <= 1 or self.lr <= 0:
-            raise SpecMTPError("need draft-vocab >= 0, decay in (0, 1] and lr > 0")
+        if self.draft_vocab < 0 or not 0 < self.decay <= 1 or self.lr <= 0 or self.trunk_lr <= 0:
+            raise SpecMTPError("need draft-vocab >= 0, decay in (0, 1], lr > 0 and trunk-lr > 0")
         if self.objective not in HEAD_OBJECTIVES:
             raise SpecMTPError(
                 f"objective must be one of {list(HEAD_OBJECTIVES)}, got {self.objective!r}"
@@ -116,6 +130,10 @@ class TrainReport:
     heldout_rank_probabilities: list[list[float]]  # [head][r]: label is the rank-r candidate
     tokens: int  # answer + prompt tokens in the data cache
     seconds: float
+    # --joint: the trained model's directory, and how often its greedy token at held-out
+    # answer positions is the original target's
+    model: str | None = None
+    next_token_agreement: float | None = None
 
 
 def train_mtp(config: TrainConfig) -> TrainReport | None:
@@ -127,7 +145,7 @@ def train_mtp(config: TrainConfig) -> TrainReport | None:
     parallel = DataParallel(accelerator)
     target = load_model(config.target, dtype=DTYPES[config.dtype])
     with parallel.main_first():
-        cache = _data_cache(config, target)
+        cache = data_cache(config, target)
     torch.manual_seed(config.seed)  # the same start in every process
     if config.init_from is not None:
         heads, heads_config = initial_heads(config, target)
@@ -137,44 +155,115 @@ def train_mtp(config: TrainConfig) -> TrainReport | None:
     heads = heads.float()  # float32 master weights
     heads.to(accelerator.device)
     identity = run_identity(config, target, cache, heads_config, processes=parallel.processes)
-    objective = Objective(
-        module=heads,
-        losses=lambda batch: _step_losses(heads, batch, config),
-        evaluate=lambda: {"acc": evaluate(heads, cache, config)},
-        one_pass=lambda seed: iter_batches(
-            cache, batch_size=config.batch_size, seq_len=config.seq_len, seed=seed,
-            heldout_fraction=config.heldout_fraction,
-        ),
-        identity=identity,
-        shown=("loss", "acc"),
-    )  # fmt: skip
+    if config.joint:
+        trunk = trainable_trunk(config.target)
+        joint = JointModule(trunk.model, heads, config.feature_layers).to(accelerator.device)
+        objective = _joint_objective(joint, cache, config, identity)
+    else:
+        objective = Objective(
+            module=heads,
+            losses=lambda batch: _step_losses(heads, batch, config),
+            evaluate=lambda: {"acc": evaluate(heads, cache, config)},
+            one_pass=lambda seed: _one_pass(cache, config, seed),
+            identity=identity,
+            shown=("loss", "acc"),
+        )
     step = run_training(
         objective, config, name="train-mtp", accelerator=accelerator, parallel=parallel
     )
     if not parallel.is_main:
         accelerator.wait_for_everyone()
         return None
-    rank_probs = _write_heads(config, heads, heads_config, target, cache)
-    report = TrainReport(
-        step, [row[0] for row in rank_probs], rank_probs, int(cache.manifest["num_tokens"]),
-        time.perf_counter() - start_time,
-    )  # fmt: skip
+    if config.joint:
+        report = _finish_joint(config, joint, trunk, heads_config, cache, step)
+    else:
+        rank_probs = _write_heads(config, heads, heads_config, target.model, cache)
+        report = TrainReport(
+            step, [row[0] for row in rank_probs], rank_probs, int(cache.manifest["num_tokens"]),
+            0.0,
+        )  # fmt: skip
+    report = replace(report, seconds=time.perf_counter() - start_time)
     (config.out / "report.json").write_text(json.dumps(asdict(report), indent=1))
     accelerator.wait_for_everyone()
     return report
+
+
+def _one_pass(cache: DistillCache, config: TrainConfig, seed: int) -> Iterator[DistillBatch]:
+    return iter_batches(
+        cache, batch_size=config.batch_size, seq_len=config.seq_len, seed=seed,
+        heldout_fraction=config.heldout_fraction,
+    )  # fmt: skip
+
+
+def _joint_objective(
+    joint: JointModule, cache: DistillCache, config: TrainConfig, identity: dict[str, Any]
+) -> Objective:
+    """--joint: the trunk and heads trained together (train_joint.py)."""
+    weights = decaying_weights(config.num_heads, config.decay)
+
+    def losses(batch: DistillBatch) -> tuple[torch.Tensor, Logged]:
+        return joint_losses(
+            joint, batch, weights=weights, kl=config.objective == "kl",
+            target_topk=target_topk(batch, config), labels=label_ids(batch, config),
+        )  # fmt: skip
+
+    def held_out() -> dict[str, Any]:
+        accuracy = evaluate(joint.heads, cache, config, features=lambda batch: joint(batch)[1])
+        return {"acc": accuracy, "next_acc": _agreement(joint, cache, config)}
+
+    return Objective(
+        module=joint,
+        losses=losses,
+        evaluate=held_out,
+        one_pass=lambda seed: _one_pass(cache, config, seed),
+        identity=identity,
+        shown=("loss", "next_acc", "acc"),
+        groups=joint.optimizer_groups(config.trunk_lr / config.lr),
+    )
+
+
+def _agreement(joint: JointModule, cache: DistillCache, config: TrainConfig) -> float:
+    return heldout_agreement(
+        joint, cache, batch_size=config.batch_size, seq_len=config.seq_len,
+        heldout_fraction=config.heldout_fraction, labels=lambda batch: label_ids(batch, config),
+    )  # fmt: skip
+
+
+def _finish_joint(
+    config: TrainConfig,
+    joint: JointModule,
+    trunk: LoadedModel,
+    heads_config: HeadsConfig,
+    cache: DistillCache,
+    step: int,
+) -> TrainReport:
+    """Write the trained model to OUT/model and the heads (checked against it) to OUT."""
+    model_dir = config.out / JOINT_MODEL_DIR
+    save_trunk(trunk, model_dir)
+    with torch.no_grad():
+        rank_probs = _write_heads(
+            config, joint.heads, heads_config, trunk.model, cache,
+            features=lambda batch: joint(batch)[1],
+        )  # fmt: skip
+    return TrainReport(
+        step, [row[0] for row in rank_probs], rank_probs, int(cache.manifest["num_tokens"]),
+        0.0, model=str(model_dir), next_token_agreement=_agreement(joint, cache, config),
+    )  # fmt: skip
 
 
 def _write_heads(
     config: TrainConfig,
     heads: Heads,
     heads_config: HeadsConfig,
-    target: LoadedModel,
+    trunk: PreTrainedModel,
     cache: DistillCache,
+    *,
+    features: Features | None = None,
 ) -> list[list[float]]:
     """Save the heads and their token tree; return the held-out rank statistics."""
-    rank_probs = rank_probabilities(heads, cache, config)
+    rank_probs = rank_probabilities(heads, cache, config, features=features)
     # float16, as distill saves drafts: half the size, and loading casts to the target's dtype.
-    save_heads(heads, heads_config, config.out, dtype=torch.float16, trunk=target.model)
+    save_heads(heads, heads_config, config.out, dtype=torch.float16, trunk=trunk)
     best_tree(rank_probs, TREE_BUDGET).save(config.out / TREE_FILE)
     return rank_probs
 
@@ -194,119 +283,6 @@ def _step_losses(
         "acc": list(losses.per_head_accuracy),
     }
     return losses.loss, logged
-
-
-def _data_cache(config: TrainConfig, target: LoadedModel) -> DistillCache:
-    """The given cache (checked: built by this target, with hidden states), another model's
-    answers rescored by this target, or one built from the prompt sources, in out/data."""
-    if config.answers_from is not None:
-        source = DistillCache.open(config.answers_from)
-        if config.objective == "kl" and not source.topk:
-            raise SpecMTPError(
-                f"cache {config.answers_from} holds no top-k log-probabilities; "
-                "--objective kl needs them"
-            )
-        return rescore_cache(
-            source, target, config.out / "data", feature_layers=config.feature_layers
-        )
-    if config.cache is not None:
-        cache = DistillCache.open(config.cache, model=target)
-        if not cache.has_hidden:
-            raise SpecMTPError(f"cache {config.cache} holds no hidden states; heads need them")
-        if cache.feature_layers != config.feature_layers:
-            raise SpecMTPError(
-                f"cache {config.cache} holds hidden states {_layers(cache.feature_layers)}, "
-                f"this run reads {_layers(config.feature_layers)}"
-            )
-        if config.objective == "kl" and not cache.topk:
-            raise SpecMTPError(
-                f"cache {config.cache} holds no top-k log-probabilities; --objective kl needs them"
-            )
-        return cache
-    prompts = load_train_prompts(
-        config.sources, limit_per_source=config.limit_per_source, seed=config.seed
-    )
-    data_config = DistillConfig(
-        **{**asdict(config.data), "max_new_tokens": config.max_new_tokens, "text": config.text,
-           "feature_layers": config.feature_layers}
-    )  # fmt: skip
-    if config.objective == "kl" and not data_config.topk:
-        data_config = replace(data_config, topk=KL_TOPK)
-    return build_cache(
-        target, prompts, config.out / "data", config=data_config,
-        sources=[str(s) for s in config.sources],
-    )  # fmt: skip
-
-
-def make_heads_config(config: TrainConfig, target: LoadedModel, cache: DistillCache) -> HeadsConfig:
-    text_config = target.model.config.get_text_config()
-    return HeadsConfig(
-        kind=config.kind,
-        num_heads=config.num_heads,
-        hidden_size=text_config.hidden_size,
-        vocab_size=target.model.get_output_embeddings().weight.shape[0],
-        base_model=describe_target(target.model),
-        num_layers=config.num_layers,
-        draft_vocab=frequent_tokens(cache, config) if config.draft_vocab else None,
-        feature_layers=config.feature_layers,
-    )
-
-
-def initial_heads(config: TrainConfig, target: LoadedModel) -> tuple[Heads, HeadsConfig]:
-    """The heads at `init_from` (continued training), checked against the run's settings:
-    their architecture and draft vocabulary are kept, so the flags must describe them."""
-    assert config.init_from is not None
-    heads, found = load_heads(config.init_from, target_model=target.model)
-    vocab = len(found.draft_vocab) if found.draft_vocab else 0
-    for flag, ours, theirs, same in (
-        ("--kind", config.kind, found.kind, config.kind == found.kind),
-        ("--num-heads", config.num_heads, found.num_heads, config.num_heads == found.num_heads),
-        ("--num-layers", config.num_layers, found.num_layers,
-         config.num_layers == found.num_layers),
-        # --draft-vocab N asks for at most N tokens (fewer when the data has fewer)
-        ("--draft-vocab", config.draft_vocab, vocab,
-         (vocab == 0) == (config.draft_vocab == 0) and vocab <= config.draft_vocab),
-    ):  # fmt: skip
-        if not same:
-            raise SpecMTPError(
-                f"heads in {config.init_from} have {flag} {theirs}, this run asks for {ours}"
-            )
-    if found.feature_layers == config.feature_layers:
-        return heads, found
-    if found.feature_layers is not None:
-        raise SpecMTPError(
-            f"heads in {config.init_from} read hidden states {_layers(found.feature_layers)}, "
-            f"this run asks for {_layers(config.feature_layers)}"
-        )
-    assert config.feature_layers is not None
-    wider = widen_heads(heads, config.feature_layers, target.model)
-    return wider, wider.config
-
-
-def _layers(layers: tuple[int, ...] | None) -> str:
-    return "the final one alone" if layers is None else ",".join(map(str, layers))
-
-
-def frequent_tokens(cache: DistillCache, config: TrainConfig) -> tuple[int, ...]:
-    """The `draft_vocab` most frequent answer tokens of the training split, sorted by id; on
-    text (--text), the target's most frequent top-1 tokens, the labels heads are scored on."""
-    if config.text:
-        counts: Counter[int] = Counter()
-        for index in range(cache.num_samples):
-            if not is_heldout(index, config.heldout_fraction):
-                counts.update(cache.sample(index)["topk_indices"][:, 0].tolist())
-    else:
-        counts = answer_token_counts(cache, config.heldout_fraction)
-    return tuple(sorted(token for token, _ in counts.most_common(config.draft_vocab)))
-
-
-def answer_token_counts(cache: DistillCache, heldout_fraction: float) -> Counter[int]:
-    """How often each token occurs in the answers of the training split."""
-    counts: Counter[int] = Counter()
-    for index in range(cache.num_samples):
-        if not is_heldout(index, heldout_fraction):
-            counts.update(cache.answer_tokens(index).tolist())
-    return counts
 
 
 def run_identity(
@@ -330,6 +306,8 @@ def run_identity(
         del settings["text"]
     if config.feature_layers is None:  # likewise before feature layers
         del settings["feature_layers"]
+    if not config.joint:  # likewise before the joint mode
+        del settings["joint"], settings["trunk_lr"]
     identity = {
         "model": model_fingerprint(target),
         "data": cache.manifest["key"],
@@ -350,7 +328,9 @@ def target_topk(
     """The target's top-k (values, ids) [B, T, k] for the KL objective, else None."""
     if config.objective != "kl":
         return None
-    assert batch.topk_values is not None and batch.topk_indices is not None  # _data_cache
+    assert (
+        batch.topk_values is not None and batch.topk_indices is not None
+    )  # train_setup.data_cache
     return batch.topk_values, batch.topk_indices
 
 
@@ -366,9 +346,12 @@ def label_ids(batch: DistillBatch, config: TrainConfig) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def rank_probabilities(heads: Heads, cache: DistillCache, config: TrainConfig) -> list[list[float]]:
+def rank_probabilities(
+    heads: Heads, cache: DistillCache, config: TrainConfig, *, features: Features | None = None
+) -> list[list[float]]:
     """[head][r]: how often the held-out label is the head's rank-r candidate. Rank 0 is
-    top-1 accuracy; the table chooses the token tree."""
+    top-1 accuracy; the table chooses the token tree. The heads read the cached hidden
+    states, or what `features` computes from a batch (--joint: the trained trunk's)."""
     ranks = torch.zeros(config.num_heads, RANKS)
     counts = torch.zeros(config.num_heads)
     weights = decaying_weights(config.num_heads, config.decay)
@@ -378,8 +361,9 @@ def rank_probabilities(heads: Heads, cache: DistillCache, config: TrainConfig) -
         split="heldout", heldout_fraction=config.heldout_fraction,
     ):  # fmt: skip
         batch = batch.to(device)
+        hidden = batch.hidden.float() if features is None else features(batch)
         result = mtp_losses(
-            heads, batch.input_ids, batch.hidden.float(), batch.loss_mask, weights,
+            heads, batch.input_ids, hidden, batch.loss_mask, weights,
             label_ids=label_ids(batch, config),
         )  # fmt: skip
         for i, (hist, n) in enumerate(
@@ -390,6 +374,8 @@ def rank_probabilities(heads: Heads, cache: DistillCache, config: TrainConfig) -
     return (ranks / counts.clamp_min(1)[:, None]).round(decimals=4).tolist()
 
 
-def evaluate(heads: Heads, cache: DistillCache, config: TrainConfig) -> list[float]:
+def evaluate(
+    heads: Heads, cache: DistillCache, config: TrainConfig, *, features: Features | None = None
+) -> list[float]:
     """Per-head top-1 accuracy on the held-out answers."""
-    return [row[0] for row in rank_probabilities(heads, cache, config)]
+    return [row[0] for row in rank_probabilities(heads, cache, config, features=features)]

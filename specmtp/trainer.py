@@ -62,6 +62,9 @@ class Objective:
     one_pass: Callable[[int], Iterable[DistillBatch]]  # seed -> one pass over the training split
     identity: dict[str, Any]  # what a checkpoint must match to be resumed
     shown: tuple[str, ...]  # logged values on the progress bar
+    # optimizer parameter groups, each with an optional "lr_scale" on the run's learning
+    # rate (None: one group of the module's trainable parameters)
+    groups: list[dict[str, Any]] | None = None
 
 
 def run_training(
@@ -76,7 +79,8 @@ def run_training(
     return the step reached. Every process runs it; only the main one writes files."""
     module = objective.module
     trainable = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
+    groups = objective.groups or [{"params": trainable}]
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=0.0)
     checkpoints = config.out / "checkpoints"
     step = load_latest_checkpoint(
         checkpoints, module=module, optimizer=optimizer, identity=objective.identity
@@ -149,14 +153,14 @@ def endless_batches(
 
 def set_lr(optimizer: torch.optim.Optimizer, config: RunSettings, step: int) -> None:
     """Linear warm-up, then cosine decay to a tenth: a function of the step, so resuming
-    needs no scheduler state."""
+    needs no scheduler state. A group's "lr_scale" multiplies it."""
     if step < WARMUP_STEPS:
         scale = (step + 1) / WARMUP_STEPS
     else:
         progress = (step - WARMUP_STEPS) / max(1, config.steps - WARMUP_STEPS)
         scale = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     for group in optimizer.param_groups:
-        group["lr"] = config.lr * scale
+        group["lr"] = config.lr * scale * group.get("lr_scale", 1.0)
 
 
 class MetricsLog:
