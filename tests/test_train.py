@@ -47,6 +47,8 @@ def test_training_writes_loadable_heads_and_a_tree(
 ) -> None:
     report = train_mtp(config(tiny_target, prompts, tmp_path, steps=5))
     assert report.steps == 5 and len(report.heldout_accuracy) == 3
+    rows = report.heldout_rank_probabilities
+    assert all(round(value, 4) == value for row in rows for value in row)  # 4 decimals, exactly
     _, heads_config = load_heads(tmp_path, target_model=load_model(str(tiny_target)).model)
     assert heads_config.num_heads == 3 and len(heads_config.draft_vocab) <= 300
     tree = TokenTree.load(tmp_path / TREE_FILE)
