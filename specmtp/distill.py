@@ -162,6 +162,7 @@ def train_draft(config: DistillTrainConfig) -> DistillReport | None:
         one_pass=lambda seed: data.batches("train", seed),
         identity=_run_identity(config, target, draft, data, processes=parallel.processes),
         shown=("loss", "accuracy"),
+        evaluate_first=config.init_from is not None,
     )
     draft.train()
     step = run_training(

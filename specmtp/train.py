@@ -167,6 +167,7 @@ def train_mtp(config: TrainConfig) -> TrainReport | None:
             one_pass=lambda seed: _one_pass(cache, config, seed),
             identity=identity,
             shown=("loss", "acc"),
+            evaluate_first=config.init_from is not None,
         )
     step = run_training(
         objective, config, name="train-mtp", accelerator=accelerator, parallel=parallel
@@ -219,6 +220,7 @@ def _joint_objective(
         identity=identity,
         shown=("loss", "next_acc", "acc"),
         groups=joint.optimizer_groups(config.trunk_lr / config.lr),
+        evaluate_first=config.init_from is not None,
     )
 
 

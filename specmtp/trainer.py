@@ -65,6 +65,8 @@ class Objective:
     # optimizer parameter groups, each with an optional "lr_scale" on the run's learning
     # rate (None: one group of the module's trainable parameters)
     groups: list[dict[str, Any]] | None = None
+    # evaluate before the first step too (continued training: where it starts from)
+    evaluate_first: bool = False
 
 
 def run_training(
@@ -90,6 +92,8 @@ def run_training(
         endless_batches(objective.one_pass, seed=config.seed, skip=step * parallel.processes)
     )
     quiet = None if parallel.is_main else True  # None: tqdm's own choice (a terminal or not)
+    if step == 0 and objective.evaluate_first and parallel.is_main:
+        metrics.write(step=0, split="heldout", **objective.evaluate())
     bar = tqdm(total=config.steps, initial=step, desc=name, disable=quiet)
     while step < config.steps:
         batch = next(batches).to(accelerator.device)

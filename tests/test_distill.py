@@ -235,6 +235,8 @@ def test_continued_training_adds_heads_to_the_draft_it_starts_from(
     assert {"head0_accuracy", "head1_accuracy"} <= set(report.heldout)
     steps = [line for line in metric_lines(tmp_path) if "split" not in line]
     assert len(steps) == 2 and all("head1_accuracy" in line for line in steps)
+    heldout = [line for line in metric_lines(tmp_path) if "split" in line]
+    assert heldout[0]["step"] == 0  # the draft it starts from, scored before the first step
     assert not (tmp_path / "data").exists()
 
 

@@ -217,11 +217,16 @@ def test_init_from_continues_the_given_heads_and_checks_them(
         cache=first / "data", init_from=first, lr=1e-12,
     )  # fmt: skip
     train_mtp(still)
+    heldout = [json.loads(line) for line in (tmp_path / "still" / "metrics.jsonl").open()]
+    heldout = [record for record in heldout if record.get("split") == "heldout"]
+    assert [record["step"] for record in heldout] == [0, 1]  # where continued training starts
+    assert heldout[0]["acc"] == heldout[1]["acc"]  # an almost-zero step
     after = load_file(tmp_path / "still" / "heads.safetensors")
     for name in before:  # an almost-zero step from the given heads, not a fresh start
         torch.testing.assert_close(after[name], before[name])
     fresh = replace(still, out=tmp_path / "fresh", init_from=None)
     train_mtp(fresh)
+    assert '"step": 0' not in (tmp_path / "fresh" / "metrics.jsonl").read_text()
     fresh_weights = load_file(tmp_path / "fresh" / "heads.safetensors")
     assert any(not torch.equal(fresh_weights[n], before[n]) for n in before)
     with pytest.raises(SpecMTPError, match="have --num-heads 3, this run asks for 2"):
