@@ -116,20 +116,22 @@ class SpecGenerator:
         over it. `gamma` may also be any `specmtp generate --gamma` form (`auto`, `best`, `hf`,
         `guard:N`, `N/M`; gamma_settings), resolved against this generator's profile.
 
-        Without a `config`, a `gamma` or a `schedule`, a sampled request with a drafter runs
-        `auto`, as `specmtp generate` does: at temperature 0.7 a fixed γ 4 ran 0.73-1.10x of
-        plain decoding and `auto` 1.14-1.28x (docs/tuning-and-measurement.md, section 25).
-        Greedy requests draft a fixed γ 4. A `config` given is run as it is."""
+        Without a `config`, a `gamma` or a `schedule`, the γ setting is `default_gamma`'s,
+        as in `specmtp generate`: `auto` for a sampled request with a drafter, else a fixed
+        γ 4. A `config` given is run as it is."""
         gamma = settings.pop("gamma", None)
         if isinstance(gamma, str):
             settings = {**gamma_settings(gamma, self.profile), **settings}
         elif gamma is not None:
             settings["gamma"] = gamma
         request = make_config(config, **settings)
-        told = config is not None or gamma is not None or "schedule" in settings
-        if told or request.sampling.greedy or self.decoder.drafter is None:
-            return request
-        return replace(request, **gamma_settings("auto", self.profile))
+        if config is not None or gamma is not None or "schedule" in settings:
+            return request  # told
+        sampled, drafts = not request.sampling.greedy, self.decoder.drafter is not None
+        chosen = default_gamma(None, sampled=sampled, drafts=drafts)
+        return (
+            request if chosen is None else replace(request, **gamma_settings(chosen, self.profile))
+        )
 
     def generate(
         self,
@@ -178,6 +180,17 @@ class SpecGenerator:
 
 AUTO_MAX_GAMMA = 8  # the adaptive schedule's largest γ when no profile gives one
 GUARD_PREFIX = "guard:"  # `guard:N`: a fixed γ behind the never-slower guard
+
+
+def default_gamma(gamma: str | None, *, sampled: bool, drafts: bool) -> str | None:
+    """The γ setting a request runs when the caller gave `gamma` (None: not given): a
+    sampled request with a drafter drafts `auto`, others keep the config's fixed γ (None).
+    At temperature 0.7 a fixed γ 4 ran 0.73-1.10x of plain decoding (medians by drafter)
+    and `auto` 1.14-1.28x (docs/tuning-and-measurement.md, section 25); greedy runs keep
+    γ 4 (section 20). `specmtp generate` and SpecGenerator.config both ask here."""
+    if gamma is not None or not drafts:
+        return gamma
+    return "auto" if sampled else None
 
 
 def gamma_settings(gamma: str | int, profile: Profile | None = None) -> dict[str, Any]:
@@ -243,6 +256,7 @@ __all__ = [
     "SamplingConfig",
     "SpecGenerator",
     "build_drafter",
+    "default_gamma",
     "eos_token_ids",
     "gamma_settings",
     "generate",

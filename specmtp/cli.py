@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 from transformers.utils import logging as hf_logging
 
-from specmtp.api import SpecGenerator, gamma_settings, make_config
+from specmtp.api import SpecGenerator, default_gamma, gamma_settings, make_config
 from specmtp.bench import BenchConfig, log_to_stderr, run_bench
 from specmtp.cli_parser import build_parser, parse_numbers, parse_size
 from specmtp.config import GenerationConfig
@@ -58,17 +58,6 @@ def generation_settings(
     if getattr(args, "max_memory", None) is not None:
         settings["max_memory_bytes"] = parse_size(args.max_memory)
     return settings
-
-
-def _generate_gamma(args: argparse.Namespace) -> str | None:
-    """`generate`'s --gamma: as given; without it, a sampled run with a drafter runs `auto`.
-    At temperature 0.7 a fixed γ 4 ran 0.73-1.10x of plain decoding (medians by drafter) and
-    `auto` 1.14-1.28x (docs/tuning-and-measurement.md, section 25): sampled drafts are
-    accepted less, and its timings are stored per machine, so it costs no start-up after
-    the first run. Greedy runs keep the config's fixed γ (section 20)."""
-    if args.gamma is not None or args.draft is None:
-        return args.gamma
-    return "auto" if (args.temperature or 0.0) > 0 else None
 
 
 def _profile_for(
@@ -113,7 +102,8 @@ def _use_machine_kernels(
 
 def cmd_generate(args: argparse.Namespace) -> int:
     asked = args.gamma
-    args.gamma = _generate_gamma(args)
+    sampled, drafts = (args.temperature or 0.0) > 0, args.draft is not None
+    args.gamma = default_gamma(args.gamma, sampled=sampled, drafts=drafts)
     profile = _profile_for(
         args.target, args.draft, args.gamma, args.profile, args.dtype, notice=asked is not None
     )

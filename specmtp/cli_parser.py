@@ -124,7 +124,7 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         "likeliest nodes each round); general, distilled, distilled-mtp (shipped drafts); "
         "ngram[:N]+SPEC (lookup when it finds a match, SPEC otherwise); omitted: plain decoding",
     )
-    _add_generation_flags(gen, sampled_gamma="auto")  # cli._generate_gamma
+    _add_generation_flags(gen, sampled_gamma="auto")  # api.default_gamma
     gen.add_argument(
         "--stop",
         action="append",

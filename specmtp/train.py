@@ -209,7 +209,7 @@ def _joint_objective(
         )  # fmt: skip
 
     def held_out() -> dict[str, Any]:
-        accuracy = evaluate(joint.heads, cache, config, features=lambda batch: joint(batch)[1])
+        accuracy = evaluate(joint.heads, cache, config, features=joint.features)
         return {"acc": accuracy, "next_acc": _agreement(joint, cache, config)}
 
     return Objective(
@@ -245,7 +245,7 @@ def _finish_joint(
     with torch.no_grad():
         rank_probs = _write_heads(
             config, joint.heads, heads_config, trunk.model, cache,
-            features=lambda batch: joint(batch)[1],
+            features=joint.features,
         )  # fmt: skip
     return TrainReport(
         step, [row[0] for row in rank_probs], rank_probs, int(cache.manifest["num_tokens"]),

@@ -78,6 +78,10 @@ class JointModule(nn.Module):
         states = out.hidden_states
         return states[-1], target_features(states, self.feature_layers).float()
 
+    def features(self, batch: DistillBatch) -> torch.Tensor:
+        """What the heads read from the trained trunk (train.Features)."""
+        return self(batch)[1]
+
     def optimizer_groups(self, trunk_lr_scale: float) -> list[dict[str, Any]]:
         """The heads at the run's learning rate, the trunk at `trunk_lr_scale` times it."""
         return [
