@@ -32,8 +32,8 @@ from specmtp.mtp_loss import RANKS, decaying_weights, mtp_losses
 from specmtp.parallel import DataParallel, make_accelerator
 from specmtp.train_joint import (
     JOINT_MODEL_DIR,
+    HeldoutAgreement,
     JointModule,
-    heldout_agreement,
     joint_losses,
     save_trunk,
     trainable_trunk,
@@ -209,8 +209,9 @@ def _joint_objective(
         )  # fmt: skip
 
     def held_out() -> dict[str, Any]:
-        accuracy = evaluate(joint.heads, cache, config, features=joint.features)
-        return {"acc": accuracy, "next_acc": _agreement(joint, cache, config)}
+        agreement = _heldout_agreement(joint, config)
+        accuracy = evaluate(joint.heads, cache, config, features=agreement)
+        return {"acc": accuracy, "next_acc": agreement.rate}
 
     return Objective(
         module=joint,
@@ -224,11 +225,8 @@ def _joint_objective(
     )
 
 
-def _agreement(joint: JointModule, cache: DistillCache, config: TrainConfig) -> float:
-    return heldout_agreement(
-        joint, cache, batch_size=config.batch_size, seq_len=config.seq_len,
-        heldout_fraction=config.heldout_fraction, labels=lambda batch: label_ids(batch, config),
-    )  # fmt: skip
+def _heldout_agreement(joint: JointModule, config: TrainConfig) -> HeldoutAgreement:
+    return HeldoutAgreement(joint, lambda batch: label_ids(batch, config))
 
 
 def _finish_joint(
@@ -242,14 +240,14 @@ def _finish_joint(
     """Write the trained model to OUT/model and the heads (checked against it) to OUT."""
     model_dir = config.out / JOINT_MODEL_DIR
     save_trunk(trunk, model_dir)
+    agreement = _heldout_agreement(joint, config)
     with torch.no_grad():
         rank_probs = _write_heads(
-            config, joint.heads, heads_config, trunk.model, cache,
-            features=joint.features,
-        )  # fmt: skip
+            config, joint.heads, heads_config, trunk.model, cache, features=agreement
+        )
     return TrainReport(
         step, [row[0] for row in rank_probs], rank_probs, int(cache.manifest["num_tokens"]),
-        0.0, model=str(model_dir), next_token_agreement=_agreement(joint, cache, config),
+        0.0, model=str(model_dir), next_token_agreement=agreement.rate,
     )  # fmt: skip
 
 

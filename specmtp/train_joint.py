@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specmtp.data import DistillBatch, DistillCache, iter_batches
+from specmtp.data import DistillBatch
 from specmtp.heads import Heads, target_features
 from specmtp.kernels import set_tuned_linear, tuned_linear_enabled
 from specmtp.models import LoadedModel, load_model
@@ -77,10 +77,6 @@ class JointModule(nn.Module):
         )
         states = out.hidden_states
         return states[-1], target_features(states, self.feature_layers).float()
-
-    def features(self, batch: DistillBatch) -> torch.Tensor:
-        """What the heads read from the trained trunk (train.Features)."""
-        return self(batch)[1]
 
     def optimizer_groups(self, trunk_lr_scale: float) -> list[dict[str, Any]]:
         """The heads at the run's learning rate, the trunk at `trunk_lr_scale` times it."""
@@ -157,31 +153,30 @@ def joint_losses(
     return loss, logged
 
 
-@torch.no_grad()
-def heldout_agreement(
-    module: JointModule,
-    cache: DistillCache,
-    *,
-    batch_size: int,
-    seq_len: int,
-    heldout_fraction: float,
-    labels: Callable[[DistillBatch], torch.Tensor | None],
-) -> float:
-    """How often the trained trunk's greedy token at held-out answer positions is the
-    original target's."""
-    device = next(module.parameters()).device
-    agreed = total = 0
-    for batch in iter_batches(
-        cache, batch_size=batch_size, seq_len=seq_len, seed=None, split="heldout",
-        heldout_fraction=heldout_fraction,
-    ):  # fmt: skip
-        batch = batch.to(device)
-        final, _ = module(batch)
-        predicts, following = _next_targets(batch, labels(batch))
-        best = module.trunk.get_output_embeddings()(final[predicts]).argmax(-1)
-        agreed += int((best == following[predicts]).sum())
-        total += int(predicts.sum())
-    return round(agreed / max(total, 1), 4)
+class HeldoutAgreement:
+    """What the heads read from the trained trunk (`train.Features`) for held-out scoring,
+    counting from the same trunk pass how often its greedy token at the answer positions
+    is the original target's: one pass over the held-out split gives both. A sample longer
+    than the run's --seq-len is seen without the start of its prompt, as in training, so
+    the original itself agrees less there."""
+
+    def __init__(
+        self, module: JointModule, labels: Callable[[DistillBatch], torch.Tensor | None]
+    ) -> None:
+        self.module, self.labels = module, labels
+        self.agreed = self.total = 0
+
+    def __call__(self, batch: DistillBatch) -> torch.Tensor:
+        final, features = self.module(batch)
+        predicts, following = _next_targets(batch, self.labels(batch))
+        best = self.module.trunk.get_output_embeddings()(final[predicts]).argmax(-1)
+        self.agreed += int((best == following[predicts]).sum())
+        self.total += int(predicts.sum())
+        return features
+
+    @property
+    def rate(self) -> float:
+        return round(self.agreed / max(self.total, 1), 4)
 
 
 def save_trunk(trunk: LoadedModel, directory: Path) -> None:

@@ -26,6 +26,7 @@ from specmtp.models import load_model
 from specmtp.mtp_loss import decaying_weights, mtp_losses
 from specmtp.parallel import DataParallel
 from specmtp.train import TrainConfig, target_topk
+from specmtp.train_joint import JOINT_MODEL_DIR
 from specmtp.trainer import endless_batches, set_lr
 
 STEPS, PROCESSES = 3, 2
@@ -150,3 +151,28 @@ def test_distill_runs_data_parallel(
     assert (tmp_path / "draft").is_dir() and (tmp_path / "report.json").exists()
     assert _training_steps_logged(tmp_path) == list(range(1, STEPS + 1))
     assert _last_identity(tmp_path, STEPS)["processes"] == PROCESSES
+
+
+@pytest.mark.slow
+def test_joint_training_runs_data_parallel(
+    tiny_target: Path,
+    prompts: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """`train-mtp --joint` under two processes: the trunk trains with the heads, the
+    processes end in step (the run checks it, trunk included), and only the main process
+    writes the model and the heads."""
+    run = _launch([
+        "train-mtp", "--joint", "--target", str(tiny_target), "--data", str(prompts),
+        "--out", str(tmp_path), "--kind", "sequential", "--num-heads", "2", "--objective",
+        "kl", "--steps", str(STEPS), "--batch-size", "2", "--seq-len", "64",
+        "--max-new-tokens", "12", "--checkpoint-every", "2", "--eval-every", str(STEPS),
+        "--heldout-fraction", "0.25",
+    ])  # fmt: skip
+    assert run.stdout.count("heads written to") == 1
+    assert _training_steps_logged(tmp_path) == list(range(1, STEPS + 1))
+    assert _last_identity(tmp_path, STEPS)["processes"] == PROCESSES
+    original = load_model(str(tiny_target)).model.state_dict()
+    trained = load_model(str(tmp_path / JOINT_MODEL_DIR)).model.state_dict()
+    moved = [name for name in original if not torch.equal(original[name], trained[name])]
+    assert moved and all("embed_tokens" not in n and "lm_head" not in n for n in moved)

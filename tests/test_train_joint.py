@@ -12,11 +12,12 @@ from safetensors.torch import load_file
 
 from specmtp.api import SpecGenerator
 from specmtp.cli import main
+from specmtp.data import DistillCache
 from specmtp.errors import SpecMTPError
 from specmtp.heads_io import load_heads
 from specmtp.models import load_model
-from specmtp.train import TrainConfig, train_mtp
-from specmtp.train_joint import JOINT_MODEL_DIR
+from specmtp.train import TrainConfig, evaluate, train_mtp
+from specmtp.train_joint import JOINT_MODEL_DIR, HeldoutAgreement, JointModule, trainable_trunk
 
 PROMPTS = "\n\n".join(f"Question {i}: name {i} animals, then count them." for i in range(12))
 
@@ -129,3 +130,32 @@ def test_the_command_says_where_the_model_is_and_how_to_draft_for_it(
     model = tmp_path / JOINT_MODEL_DIR
     assert f"--target {model} --draft mtp:{tmp_path}" in out
     assert json.loads(out.strip().splitlines()[-1])["model"] == str(model)
+
+
+def test_heldout_agreement_counts_the_trunks_own_greedy_tokens(
+    tiny_target: Path, shared_cache: Path
+) -> None:
+    """The untrained trunk teacher-forced on its own greedy answers agrees with them (up to
+    float ties between a cached step and a whole-sequence pass) when its windows hold the
+    whole samples; noise in its layers makes it agree less; and the same pass hands the
+    heads the trunk's features."""
+    config = replace(base(tiny_target, shared_cache.parent, steps=1), seq_len=500)
+    trunk = trainable_trunk(str(tiny_target))
+    cache = DistillCache.open(shared_cache, model=trunk)
+    heads, _ = load_heads(shared_cache.parent, target_model=trunk.model)
+    joint = JointModule(trunk.model, heads.float(), None)
+
+    def agreement() -> float:
+        counter = HeldoutAgreement(joint, lambda batch: None)
+        accuracy = evaluate(joint.heads, cache, config, features=counter)
+        assert accuracy == evaluate(joint.heads, cache, config, features=lambda b: joint(b)[1])
+        assert counter.total > 0
+        return counter.rate
+
+    assert agreement() >= 0.95
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in trunk.model.model.layers:
+            for param in layer.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * param.std())
+    assert agreement() < 0.9
