@@ -21,7 +21,8 @@ from specmtp.data import FORMAT, MANIFEST, DistillCache, model_fingerprint, read
 from specmtp.errors import SpecMTPError
 from specmtp.files import write_atomically
 from specmtp.heads import target_features
-from specmtp.models import LoadedModel, vocab_digest
+from specmtp.models import LoadedModel
+from specmtp.vocab import vocab_digest
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,8 @@ from specmtp.sampling import logits_to_probs
 from specmtp.schedule import RoundRecord, Schedule
 from specmtp.stats import GenerationStats
 from specmtp.timings import TimingStore
-from specmtp.tree import (
-    TreeVerdict,
-    commit_tree_path,
-    tree_forward,
-    verify_tree_greedy,
-    verify_tree_sampling,
-)
+from specmtp.tree import commit_tree_path, tree_forward
+from specmtp.tree_verification import TreeVerdict, verify_tree_greedy, verify_tree_sampling
 from specmtp.verification import Verdict, verify_greedy, verify_rejection_sampling
 
 # Decodes token ids to text; needed only for stop strings.

@@ -21,11 +21,12 @@ from specmtp.errors import SpecMTPError
 from specmtp.heads import SequentialMTP
 from specmtp.heads_io import load_heads, shipped_heads_dir
 from specmtp.kernels import tuned_linear_enabled, use_tuned_linear
-from specmtp.models import LoadedModel, check_tokenizers_agree, load_model, usable_vocab_size
+from specmtp.models import LoadedModel, load_model
 from specmtp.mtp_drafter import MTPDrafter
 from specmtp.output_vocab import output_vocab_ids
 from specmtp.specs import DRAFT_HEADS, OUTPUT_VOCAB, TREE_NODES, split_count, split_heads
 from specmtp.tree import TREE_FILE, TokenTree
+from specmtp.vocab import check_tokenizers_agree, usable_vocab_size
 
 
 def build_drafter(

@@ -24,7 +24,8 @@ class Proposal:
     """A chain of k' <= k draft tokens, or a token tree of depth <= k.
 
     For a tree, `tokens` holds one token per node in the tree's node order, and `probs` is
-    None: tree candidates are verified as fixed choices (see tree.verify_tree_sampling).
+    None: tree candidates are verified as fixed choices
+    (`tree_verification.verify_tree_sampling`).
     """
 
     tokens: torch.Tensor  # [B, k'] chain, or [B, N] tree nodes; k' may be 0

@@ -22,14 +22,8 @@ from transformers import (
 
 from specmtp import models
 from specmtp.errors import SpecMTPError
-from specmtp.models import (
-    DEFAULT_SPEC,
-    LoadedModel,
-    check_tokenizers_agree,
-    default_gguf_path,
-    load_model,
-    usable_vocab_size,
-)
+from specmtp.models import DEFAULT_SPEC, LoadedModel, default_gguf_path, load_model
+from specmtp.vocab import check_tokenizers_agree, usable_vocab_size
 
 PROMPT = "The capital of France is"
 

@@ -21,7 +21,7 @@ from conftest import TINY_VOCAB, perturbed_copy, tiny_model
 from lossless_stats import P_FAIL, START, V, fit, markov_chains, markov_joint
 from transformers import PreTrainedModel
 
-from specmtp import tree, verification
+from specmtp import tree_verification, verification
 from specmtp.cache import CachedModel
 from specmtp.config import SamplingConfig
 from specmtp.errors import SpecMTPError
@@ -34,9 +34,8 @@ from specmtp.tree import (
     likeliest_subtree,
     tree_attention_inputs,
     tree_forward,
-    verify_tree_greedy,
-    verify_tree_sampling,
 )
+from specmtp.tree_verification import verify_tree_greedy, verify_tree_sampling
 
 # The Medusa-style example: two candidates at depth 1, three nodes below them, one at depth 3.
 MEDUSA = TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
@@ -248,7 +247,7 @@ def verify_likeliest_subtrees(
     target_probs: torch.Tensor,  # [m, N+1, V]
     budget: int,
     generator: torch.Generator,
-) -> tree.TreeVerdict:
+) -> tree_verification.TreeVerdict:
     """A dynamic tree per row: the `budget` nodes of BINARY with the largest draft
     log-probability (as `likeliest_subtree` picks them), verified in groups of rows with the
     same shape. Returns the verdict with BINARY's node indices."""
@@ -275,7 +274,7 @@ def verify_likeliest_subtrees(
         back = torch.tensor(nodes)[found.clamp_min(0)].masked_fill(found < 0, -1)
         path_nodes[group, : back.shape[1]] = back
         next_tokens[group] = verdict.next_tokens
-    return tree.TreeVerdict(path_nodes, (path_nodes >= 0).sum(-1), next_tokens)
+    return tree_verification.TreeVerdict(path_nodes, (path_nodes >= 0).sum(-1), next_tokens)
 
 
 def simulate_tree(
@@ -301,7 +300,7 @@ def simulate_tree(
         node_tokens, draft_probs = draft_tree(q, last[live], draw=draw, generator=generator)
         positions = torch.cat([last[live, None], node_tokens], 1)  # [m, N+1]
         if budget is None:
-            verdict = tree.verify_tree_sampling(
+            verdict = tree_verification.verify_tree_sampling(
                 BINARY, node_tokens, p[positions], generator, draft_probs if pass_q else None
             )
         else:  # the shape depends on the drafts alone: one-hot q stays exact
@@ -365,7 +364,7 @@ MultiCandidate = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Generator | None],
     tuple[torch.Tensor, torch.Tensor],
 ]
-REAL_RULE: MultiCandidate = tree.multi_candidate_rejection
+REAL_RULE: MultiCandidate = tree_verification.multi_candidate_rejection
 
 
 def rejection_against_original_p(
@@ -413,7 +412,7 @@ def rejection_fallback_from_p(
 def test_wrong_tree_rules_fail_the_same_check(
     rule: MultiCandidate, drafts: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tree, "multi_candidate_rejection", rule)
+    monkeypatch.setattr(tree_verification, "multi_candidate_rejection", rule)
     p, q = markov_chains(SAMPLINGS["t1.0"])
     draw, pass_q = LOSSLESS_DRAFTS[drafts]
     result = fit(simulate_tree(p, q, draw=draw, pass_q=pass_q, seed=1).counts, markov_joint(p, 3))
