@@ -24,8 +24,8 @@ from typing import Any
 from schedule_replay import BeforeRules
 
 from specmtp import bench, bench_runners, cli
+from specmtp.adaptive_schedule import AdaptiveGamma, AdaptiveSettings
 from specmtp.report_values import methods_of
-from specmtp.schedule import AdaptiveGamma, AdaptiveSettings
 from specmtp.schedule_report import schedule_rows, schedule_summary
 
 SCRIPT = "scripts/schedule_ab.py"

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
+from specmtp.adaptive_schedule import AdaptiveGamma, AdaptiveSettings
 from specmtp.costmodel import CostModel
-from specmtp.schedule import AdaptiveGamma, AdaptiveSettings, FixedGamma, RoundRecord
+from specmtp.schedule import FixedGamma, RoundRecord
 
 COST = CostModel(tuple(1.0 + 0.11 * (n - 1) for n in range(1, 9)), draft_per_token_s=0.075)
 PRIOR = (0.56, 0.7, 0.7)

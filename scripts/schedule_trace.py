@@ -13,7 +13,8 @@ from __future__ import annotations
 import sys
 
 from specmtp import cli
-from specmtp.schedule import AdaptiveGamma, RoundRecord
+from specmtp.adaptive_schedule import AdaptiveGamma
+from specmtp.schedule import RoundRecord
 
 update = AdaptiveGamma.update
 

@@ -32,11 +32,11 @@ from specmtp.errors import SpecMTPError
 from specmtp.kernels import set_tuned_linear
 from specmtp.models import DTYPES, load_model
 from specmtp.plots import plot_tune
-from specmtp.profile import Profile, find_profile
+from specmtp.profile import Profile, find_profile, sweep_table
 from specmtp.report import write_report
 from specmtp.timings import use_stored_kernel_plan
 from specmtp.train import TrainConfig, train_mtp
-from specmtp.tune import TuneConfig, run_tune, sweep_table
+from specmtp.tune import TuneConfig, run_tune
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130

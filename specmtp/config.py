@@ -43,7 +43,7 @@ class GenerationConfig:
 
     `gamma` is the draft length of a fixed schedule, the starting length of the heuristic
     one (Hugging Face's +2 / -1), the largest length the adaptive one may choose, and the
-    length the guarded one drafts whenever it drafts (schedule.py).
+    length the guarded one drafts whenever it drafts (adaptive_schedule.py).
     `model_gamma`, for drafters with a lookup arm and a model arm (`ngram+SPEC`), is the
     fixed or starting γ of the model's rounds, `gamma` then being the lookup's (None: the
     same). `max_memory_bytes` bounds the weights plus KV caches of target and drafter (None: no

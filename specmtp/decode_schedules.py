@@ -1,10 +1,11 @@
 """The draft-length schedules of one decoder (`decode.SpecDecoder`).
 
-Which schedule each drafter arm of a sequence runs (`schedule.py`), the cost model the
-measured schedules (adaptive, guarded) steer by, and what greedy sequences learned that the
-next sequence starts from. Costs come from a tuning profile, from T(n) timed in this process
-(greedy: kernels and load differ between processes), or from the timing store (sampled runs:
-a seed must give the same output in every process, `timings.py`).
+Which schedule each drafter arm of a sequence runs (`schedule.py`,
+`adaptive_schedule.py`), the cost model the measured schedules (adaptive, guarded) steer
+by, and what greedy sequences learned that the next sequence starts from. Costs come from a
+tuning profile, from T(n) timed in this process (greedy: kernels and load differ between
+processes), or from the timing store (sampled runs: a seed must give the same output in
+every process, `timings.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import replace
 
 import torch
 
+from specmtp.adaptive_schedule import AdaptiveGamma, GuardedGamma
 from specmtp.cache import CachedModel
 from specmtp.config import MEASURED_SCHEDULES, GenerationConfig, SamplingConfig
 from specmtp.costmodel import CostModel, measure_verify_costs
@@ -28,13 +30,7 @@ from specmtp.drafters import (
 )
 from specmtp.kernels import MAX_ROWS
 from specmtp.mtp_drafter import drafter_depth, drafter_tree
-from specmtp.schedule import (
-    AdaptiveGamma,
-    FixedGamma,
-    GuardedGamma,
-    HeuristicGamma,
-    Schedule,
-)
+from specmtp.schedule import FixedGamma, HeuristicGamma, Schedule
 from specmtp.timings import TimingStore
 
 # Resets the target and the drafter and reads a context [1, n] into them (all but the last

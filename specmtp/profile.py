@@ -4,7 +4,7 @@
 rates, and `--gamma best` uses its fastest fixed γ (for a lookup-first drafter, its fastest
 γ pair: one γ for the lookup rounds, one for the model's, each with its own α). Profiles
 live, by default, in $SPECMTP_CACHE/profiles (or ~/.cache/specmtp/profiles), one JSON file
-per pair.
+per pair. `sweep_table` prints one as `specmtp tune` does.
 """
 
 from __future__ import annotations
@@ -140,6 +140,44 @@ def _list(value: Any) -> list[Any]:
 
 def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def sweep_table(profile: Profile) -> str:
+    trees = bool(profile.tree)  # a tree profile: one row per budget (nodes)
+    if profile.model_gamma is not None:
+        return _pair_table(profile)
+    head = "nodes  depth" if trees else "  γ"
+    rows = [f"{head}  predicted  measured  tokens/s     τ", "-" * (40 + 8 * trees)]
+    for row in profile.sweep:
+        tau = row.get("mean_accepted_tokens")
+        first = f"{row['budget']:>5}  {row['gamma']:>5}" if trees else f"{row['gamma']:>3}"
+        rows.append(
+            f"{first}  {row['predicted_speedup']:8.2f}x  {row['measured_speedup']:7.2f}x"
+            f"  {row['tokens_per_s']:8.1f}  {'-' if tau is None else f'{tau:4.2f}':>4}"
+        )
+    alphas = " ".join(f"{a:.2f}" for a in profile.alphas)
+    if trees:
+        rows.append(f"best tree ({len(profile.tree)} nodes, depth {profile.best_gamma}): "
+                    f"{[list(p) for p in profile.tree]}; top-1 α by depth: {alphas}")  # fmt: skip
+    else:
+        rows.append(f"best γ {profile.best_gamma}; α by position: {alphas}")
+    return "\n".join(rows)
+
+
+def _pair_table(profile: Profile) -> str:
+    """A γ pair sweep: N/M, lookup rounds' γ over the model rounds'."""
+    rows = ["N/M    predicted  measured  tokens/s     τ", "-" * 42]
+    for row in profile.sweep:
+        tau = row.get("mean_accepted_tokens")
+        pair = f"{row['gamma']}/{row['model_gamma']}"
+        rows.append(
+            f"{pair:<5}  {row['predicted_speedup']:8.2f}x  {row['measured_speedup']:7.2f}x"
+            f"  {row['tokens_per_s']:8.1f}  {'-' if tau is None else f'{tau:4.2f}':>4}"
+        )
+    for arm, alphas in profile.arm_alphas.items():
+        rows.append(f"α by position, {arm} rounds: {' '.join(f'{a:.2f}' for a in alphas)}")
+    rows.append(f"best γ pair {profile.best_gamma}/{profile.model_gamma} (lookup/model)")
+    return "\n".join(rows)
 
 
 def cache_root() -> Path:

@@ -9,6 +9,7 @@ from conftest import TINY_VOCAB, hf_greedy, perturbed_copy, tiny_model
 from test_decode_tree import TREE
 from test_mtp_drafter import PROMPT, trained_heads
 
+from specmtp.adaptive_schedule import AdaptiveGamma, GuardedGamma
 from specmtp.api import build_drafter, gamma_settings
 from specmtp.bench_results import arm_summary
 from specmtp.config import GenerationConfig, SamplingConfig
@@ -26,7 +27,7 @@ from specmtp.drafters import (
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel
 from specmtp.mtp_drafter import MTPDrafter
-from specmtp.schedule import AdaptiveGamma, GuardedGamma, HeuristicGamma, RoundRecord
+from specmtp.schedule import HeuristicGamma, RoundRecord
 
 GREEDY = SamplingConfig()
 

@@ -13,6 +13,7 @@ from conftest import TINY_VOCAB, hf_greedy, perturbed_copy, tiny_model
 from transformers import PreTrainedModel
 
 from specmtp import costmodel, decode, decode_schedules
+from specmtp.adaptive_schedule import AdaptiveGamma, AdaptiveSettings, GuardedGamma
 from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors, tensor_bytes
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.costmodel import CostModel
@@ -27,14 +28,7 @@ from specmtp.drafters import (
     drafter_catch_up,
 )
 from specmtp.errors import SpecMTPError
-from specmtp.schedule import (
-    AdaptiveGamma,
-    AdaptiveSettings,
-    FixedGamma,
-    GuardedGamma,
-    HeuristicGamma,
-    RoundRecord,
-)
+from specmtp.schedule import FixedGamma, HeuristicGamma, RoundRecord
 
 PROMPT = [5, 17, 3, 88, 41, 5, 17, 3, 60, 2]
 NEW_TOKENS = 40

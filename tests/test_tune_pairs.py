@@ -17,13 +17,13 @@ import pytest
 from conftest import run_captured, run_cli
 
 from specmtp import tune
+from specmtp.adaptive_schedule import AdaptiveGamma
 from specmtp.api import SpecGenerator, gamma_settings, make_config
 from specmtp.config import GenerationConfig
 from specmtp.costmodel import CostModel, expected_tokens
 from specmtp.drafters import LOOKUP_ARM, MODEL_ARM
 from specmtp.errors import SpecMTPError
 from specmtp.profile import Profile
-from specmtp.schedule import AdaptiveGamma
 from specmtp.stats import GenerationStats
 from specmtp.tune import TuneConfig
 
