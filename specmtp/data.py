@@ -126,6 +126,13 @@ class DistillCache:
     def num_samples(self) -> int:
         return int(self._starts[-1])
 
+    def sample_length(self, index: int) -> int:
+        """Tokens in one sample (prompt and answer), without reading its tensors."""
+        shard_index = int(torch.searchsorted(self._starts, index, right=True)) - 1
+        offsets = self._shards[shard_index][1]
+        local = index - int(self._starts[shard_index])
+        return int(offsets[local + 1] - offsets[local])
+
     def answer_tokens(self, index: int) -> torch.Tensor:
         """The answer token ids of one sample [m], without reading its large tensors."""
         shard_index = int(torch.searchsorted(self._starts, index, right=True)) - 1
@@ -183,6 +190,17 @@ def is_heldout(index: int, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") < fraction * 2**64
 
 
+def split_indices(
+    cache: DistillCache, split: str, heldout_fraction: float, max_length: int | None = None
+) -> list[int]:
+    """The samples of a split, in cache order; with `max_length`, those no longer."""
+    return [
+        i for i in range(cache.num_samples)
+        if is_heldout(i, heldout_fraction) == (split == "heldout")
+        and (max_length is None or cache.sample_length(i) <= max_length)
+    ]  # fmt: skip
+
+
 def iter_batches(
     cache: DistillCache | Path,
     *,
@@ -191,21 +209,23 @@ def iter_batches(
     seed: int | None = 0,
     split: str = "train",
     heldout_fraction: float = 0.05,
+    whole: bool = False,
 ) -> Iterator[DistillBatch]:
     """Batches of whole samples, right-padded to `seq_len`; one pass, shuffled by `seed`
     (None keeps cache order). A longer sample keeps its last `seq_len` tokens, where its
-    answer is; cached hidden states saw the full prompt either way."""
+    answer is; cached hidden states saw the full prompt either way. With `whole`, longer
+    samples are skipped instead: for a model that reads the batch itself (train-mtp
+    --joint), a window without the prompt's start is another context than the one its
+    cached targets were computed in."""
     if split not in ("train", "heldout"):
         raise SpecMTPError(f"split must be 'train' or 'heldout', got {split!r}")
     if batch_size < 1 or seq_len < 1 or not 0 <= heldout_fraction < 1:
         raise SpecMTPError("batch_size and seq_len must be positive, heldout_fraction in [0, 1)")
     cache = cache if isinstance(cache, DistillCache) else DistillCache.open(Path(cache))
-    indices = [
-        i for i in range(cache.num_samples)
-        if is_heldout(i, heldout_fraction) == (split == "heldout")
-    ]  # fmt: skip
+    indices = split_indices(cache, split, heldout_fraction, seq_len if whole else None)
     if not indices:
-        raise SpecMTPError(f"the {split} split of {cache.directory} is empty")
+        within = f" within {seq_len} tokens (raise --seq-len)" if whole else ""
+        raise SpecMTPError(f"the {split} split of {cache.directory} has no sample{within}")
     if seed is not None:
         order = torch.randperm(len(indices), generator=torch.Generator().manual_seed(seed))
         indices = [indices[i] for i in order.tolist()]

@@ -3,15 +3,17 @@
 Launched with `torchrun --nproc_per_node N` (CPU: gloo) or `accelerate launch
 --num_processes N` (GPUs), the same command trains with N processes; launched plainly it
 is one process and nothing here does anything. Every process holds the whole module being
-trained (MTP heads or a small draft: tens of MB) and the frozen target, and takes its own
-share of the batch stream: process r of N takes batches r, r + N, r + 2N, ... So one step
-sees N batches, and a step's gradient is their mean. After each backward the gradients
-are averaged across processes in one all-reduce, so every process applies the same update
-and the copies stay identical (checked at the end of a run).
+trained (MTP heads or a small draft: tens of MB; with `train-mtp --joint`, the target's
+trunk and its heads) and the frozen target, and takes its own share of the batch stream:
+process r of N takes batches r, r + N, r + 2N, ... So one step sees N batches, and a
+step's gradient is their mean. After each backward the gradients are averaged across
+processes in one all-reduce, so every process applies the same update and the copies stay
+identical (checked at the end of a run).
 
 Not wrapped in DDP: the losses call the module's own methods (`forward_all`, the draft's
 heads), not its `forward`, which DDP's gradient hooks rely on. Not sharded (FSDP): the
-trained modules are small, and the frozen target is only read.
+trained modules are small, and the frozen target is only read; a joint run holds the whole
+target in every process, fine for small targets, not for one that does not fit a device.
 
 Only the main process writes files: the data cache (the others wait for it, then read
 it), checkpoints, metrics and the final artifacts.

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from specmtp.data import DistillBatch, DistillCache, iter_batches, model_fingerprint
+from specmtp.data import DistillBatch, DistillCache, iter_batches, model_fingerprint, split_indices
 from specmtp.data_build import DistillConfig
 from specmtp.errors import SpecMTPError
 from specmtp.heads import Heads, build_heads
@@ -134,6 +134,9 @@ class TrainReport:
     # answer positions is the original target's
     model: str | None = None
     next_token_agreement: float | None = None
+    # --joint: the samples it trains and scores on (train and held-out): those within
+    # --seq-len, since a window without its prompt's start is another context
+    joint_samples: int | None = None
 
 
 def train_mtp(config: TrainConfig) -> TrainReport | None:
@@ -156,6 +159,7 @@ def train_mtp(config: TrainConfig) -> TrainReport | None:
     heads.to(accelerator.device)
     identity = run_identity(config, target, cache, heads_config, processes=parallel.processes)
     if config.joint:
+        joint_samples = _joint_samples(cache, config)
         trunk = trainable_trunk(config.target)
         joint = JointModule(trunk.model, heads, config.feature_layers).to(accelerator.device)
         objective = _joint_objective(joint, cache, config, identity)
@@ -177,6 +181,7 @@ def train_mtp(config: TrainConfig) -> TrainReport | None:
         return None
     if config.joint:
         report = _finish_joint(config, joint, trunk, heads_config, cache, step)
+        report = replace(report, joint_samples=joint_samples)
     else:
         rank_probs = _write_heads(config, heads, heads_config, target.model, cache)
         report = TrainReport(
@@ -192,8 +197,24 @@ def train_mtp(config: TrainConfig) -> TrainReport | None:
 def _one_pass(cache: DistillCache, config: TrainConfig, seed: int) -> Iterator[DistillBatch]:
     return iter_batches(
         cache, batch_size=config.batch_size, seq_len=config.seq_len, seed=seed,
-        heldout_fraction=config.heldout_fraction,
+        heldout_fraction=config.heldout_fraction, whole=config.joint,
     )  # fmt: skip
+
+
+def _joint_samples(cache: DistillCache, config: TrainConfig) -> int:
+    """How many samples a joint run trains and scores on (those within --seq-len); an error
+    before training when a split has none."""
+    total = 0
+    for split in ("train", "heldout"):
+        fitting = len(split_indices(cache, split, config.heldout_fraction, config.seq_len))
+        if fitting == 0:
+            shortest = min(cache.sample_length(i) for i in range(cache.num_samples))
+            raise SpecMTPError(
+                f"--joint trains on whole samples, and no {split} sample of {cache.directory} "
+                f"fits --seq-len {config.seq_len} (the shortest has {shortest} tokens)"
+            )
+        total += fitting
+    return total
 
 
 def _joint_objective(
@@ -358,7 +379,7 @@ def rank_probabilities(
     device = next(heads.parameters()).device
     for batch in iter_batches(
         cache, batch_size=config.batch_size, seq_len=config.seq_len, seed=None,
-        split="heldout", heldout_fraction=config.heldout_fraction,
+        split="heldout", heldout_fraction=config.heldout_fraction, whole=config.joint,
     ):  # fmt: skip
         batch = batch.to(device)
         hidden = batch.hidden.float() if features is None else features(batch)

@@ -226,6 +226,25 @@ def test_iter_batches_shapes_and_heldout_split(built: Path) -> None:
     assert sum(is_heldout(i, 0.25) for i in range(4000)) in range(900, 1100)
 
 
+def test_whole_batches_skip_the_samples_a_window_would_cut(built: Path) -> None:
+    cache = DistillCache.open(built)
+    lengths = [cache.sample(i)["input_ids"].shape[0] for i in range(cache.num_samples)]
+    assert [cache.sample_length(i) for i in range(cache.num_samples)] == lengths
+    limit = sorted(lengths)[len(lengths) // 2]  # about half the samples fit
+    whole = [
+        row[mask].tolist()
+        for batch in iter_batches(
+            cache, batch_size=3, seq_len=limit, seed=None, heldout_fraction=0, whole=True
+        )
+        for row, mask in zip(batch.input_ids, batch.attention_mask, strict=True)
+    ]
+    fitting = [i for i, n in enumerate(lengths) if n <= limit]
+    assert 0 < len(fitting) < len(lengths)
+    assert whole == [cache.sample(i)["input_ids"].tolist() for i in fitting]  # uncut
+    with pytest.raises(SpecMTPError, match=f"no sample within {min(lengths) - 1} tokens"):
+        next(iter_batches(cache, batch_size=2, seq_len=min(lengths) - 1, whole=True))
+
+
 def assert_same_cache(directory: Path, reference: Path) -> None:
     """Same manifest and tokens as `reference`. A rebuilt shard's float16 hidden states may
     differ in the last bit (CPU kernels are not bitwise reproducible from run to run), so

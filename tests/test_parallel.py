@@ -165,7 +165,7 @@ def test_joint_training_runs_data_parallel(
     run = _launch([
         "train-mtp", "--joint", "--target", str(tiny_target), "--data", str(prompts),
         "--out", str(tmp_path), "--kind", "sequential", "--num-heads", "2", "--objective",
-        "kl", "--steps", str(STEPS), "--batch-size", "2", "--seq-len", "64",
+        "kl", "--steps", str(STEPS), "--batch-size", "2", "--seq-len", "512",
         "--max-new-tokens", "12", "--checkpoint-every", "2", "--eval-every", str(STEPS),
         "--heldout-fraction", "0.25",
     ])  # fmt: skip

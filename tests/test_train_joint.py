@@ -38,7 +38,7 @@ def base(
 ) -> TrainConfig:
     return TrainConfig(
         sources=(out / "unused.txt",), out=out, target=str(target), kind="sequential",
-        num_heads=2, steps=steps, batch_size=2, seq_len=64, max_new_tokens=12, lr=1e-3,
+        num_heads=2, steps=steps, batch_size=2, seq_len=416, max_new_tokens=12, lr=1e-3,
         checkpoint_every=2, eval_every=2, heldout_fraction=0.25, objective="kl", joint=joint,
         trunk_lr=trunk_lr,
     )  # fmt: skip
@@ -123,7 +123,7 @@ def test_the_command_says_where_the_model_is_and_how_to_draft_for_it(
         "train-mtp", "--joint", "--trunk-lr", "1e-4", "--data", str(tmp_path / "unused.txt"),
         "--cache", str(shared_cache), "--target", str(tiny_target), "--out", str(tmp_path),
         "--kind", "sequential", "--num-heads", "2", "--objective", "kl", "--steps", "1",
-        "--batch-size", "2", "--seq-len", "64", "--heldout-fraction", "0.25", "--threads", "1",
+        "--batch-size", "2", "--seq-len", "416", "--heldout-fraction", "0.25", "--threads", "1",
     ])  # fmt: skip
     out, err = capfd.readouterr()
     assert code == 0, err
@@ -159,3 +159,21 @@ def test_heldout_agreement_counts_the_trunks_own_greedy_tokens(
             for param in layer.parameters():
                 param.add_(torch.randn(param.shape, generator=generator) * param.std())
     assert agreement() < 0.9
+
+
+def test_a_joint_run_trains_on_the_samples_within_its_window(
+    tiny_target: Path, shared_cache: Path, tmp_path: Path
+) -> None:
+    """Windows keep a long sample's last tokens; the trunk would then read another context
+    than the one its cached targets were computed in, so a joint run skips such samples,
+    says how many it kept, and refuses before training when a split keeps none."""
+    cache = DistillCache.open(shared_cache)
+    lengths = [cache.sample_length(i) for i in range(cache.num_samples)]
+    config = replace(base(tiny_target, tmp_path / "run", steps=1), cache=shared_cache)
+    report = train_mtp(config)
+    assert report.joint_samples == sum(n <= config.seq_len for n in lengths)
+    assert 0 < report.joint_samples < len(lengths)
+    short = replace(config, out=tmp_path / "short", seq_len=min(lengths) - 1)
+    with pytest.raises(SpecMTPError, match=f"fits --seq-len {short.seq_len}"):
+        train_mtp(short)
+    assert not (short.out / "checkpoints").exists()
