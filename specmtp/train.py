@@ -329,6 +329,8 @@ def run_identity(
         del settings["feature_layers"]
     if not config.joint:  # likewise before the joint mode
         del settings["joint"], settings["trunk_lr"]
+    else:  # whole samples only: a joint run from before that took other batches
+        settings["joint_samples"] = "whole"
     identity = {
         "model": model_fingerprint(target),
         "data": cache.manifest["key"],

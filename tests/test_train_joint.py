@@ -177,3 +177,17 @@ def test_a_joint_run_trains_on_the_samples_within_its_window(
     with pytest.raises(SpecMTPError, match=f"fits --seq-len {short.seq_len}"):
         train_mtp(short)
     assert not (short.out / "checkpoints").exists()
+
+
+def test_a_joint_checkpoint_from_before_whole_samples_does_not_resume(
+    tiny_target: Path, shared_cache: Path, tmp_path: Path
+) -> None:
+    """Joint runs took windows cut to --seq-len before they took whole samples; such a
+    checkpoint was trained on other batches, so it is another run."""
+    config = run(tiny_target, shared_cache, tmp_path, 2)
+    for state_file in (tmp_path / "checkpoints").glob("*/state.json"):
+        state = json.loads(state_file.read_text())
+        del state["identity"]["settings"]["joint_samples"]
+        state_file.write_text(json.dumps(state))
+    with pytest.raises(SpecMTPError, match="another run"):
+        train_mtp(replace(config, steps=4))
