@@ -126,28 +126,27 @@ class DistillCache:
     def num_samples(self) -> int:
         return int(self._starts[-1])
 
+    def _locate(self, index: int) -> tuple[Any, dict[str, torch.Tensor], int, int]:
+        """A sample's shard, the shard's small tensors, and its token range there."""
+        shard_index = int(torch.searchsorted(self._starts, index, right=True)) - 1
+        shard, offsets, small = self._shards[shard_index]
+        local = index - int(self._starts[shard_index])
+        return shard, small, int(offsets[local]), int(offsets[local + 1])
+
     def sample_length(self, index: int) -> int:
         """Tokens in one sample (prompt and answer), without reading its tensors."""
-        shard_index = int(torch.searchsorted(self._starts, index, right=True)) - 1
-        offsets = self._shards[shard_index][1]
-        local = index - int(self._starts[shard_index])
-        return int(offsets[local + 1] - offsets[local])
+        _, _, begin, end = self._locate(index)
+        return end - begin
 
     def answer_tokens(self, index: int) -> torch.Tensor:
         """The answer token ids of one sample [m], without reading its large tensors."""
-        shard_index = int(torch.searchsorted(self._starts, index, right=True)) - 1
-        _, offsets, small = self._shards[shard_index]
-        local = index - int(self._starts[shard_index])
-        begin, end = int(offsets[local]), int(offsets[local + 1])
+        _, small, begin, end = self._locate(index)
         return small["input_ids"][begin:end][small["loss_mask"][begin:end]].long()
 
     def sample(self, index: int) -> dict[str, torch.Tensor]:
         """One sample's tensors: input_ids [n], loss_mask [n], hidden [n, H], topk_* [n, k]."""
-        shard_index = int(torch.searchsorted(self._starts, index, right=True)) - 1
-        shard, offsets, small = self._shards[shard_index]
+        shard, small, begin, end = self._locate(index)
         names = set(shard.keys())
-        local = index - int(self._starts[shard_index])
-        begin, end = int(offsets[local]), int(offsets[local + 1])
         found = {name: tensor[begin:end] for name, tensor in small.items()}
         for name in ("hidden", "topk_values", "topk_indices"):
             if name in names:
