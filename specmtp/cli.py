@@ -25,6 +25,7 @@ from specmtp.api import SpecGenerator, default_gamma, gamma_settings, make_confi
 from specmtp.bench import BenchConfig, log_to_stderr, run_bench
 from specmtp.cli_parser import build_parser, parse_numbers, parse_size
 from specmtp.config import GenerationConfig
+from specmtp.datastore_build import DatastoreConfig, build_datastore
 from specmtp.distill import DistillTrainConfig, train_draft
 from specmtp.draft_export import export_hf_draft
 from specmtp.drafter_specs import load_small_draft
@@ -235,6 +236,19 @@ def cmd_export_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_datastore(args: argparse.Namespace) -> int:
+    config = DatastoreConfig(
+        out=args.out, target=args.target, data=tuple(args.data), caches=tuple(args.cache),
+        texts=tuple(args.text), max_new_tokens=args.max_new_tokens,
+        limit_per_source=args.limit_per_source, max_ngram=args.max_ngram, dtype=args.dtype,
+    )  # fmt: skip
+    report = build_datastore(config)
+    print(f"datastore {report.out}: {report.documents} documents, {report.tokens} tokens; "
+          f"draft with --draft store:{report.out} (or store:{report.out}+SPEC)")  # fmt: skip
+    print(json.dumps(dataclasses.asdict(report)))
+    return 0
+
+
 # What each subcommand of cli_parser.build_parser runs, by the name it parses to.
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "generate": cmd_generate,
@@ -243,6 +257,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train-mtp": cmd_train_mtp,
     "distill": cmd_distill,
     "export-draft": cmd_export_draft,
+    "datastore": cmd_datastore,
 }
 
 

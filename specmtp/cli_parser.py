@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_mtp_command(commands)
     _add_distill_command(commands)
     _add_export_draft_command(commands)
+    _add_datastore_command(commands)
     return parser
 
 
@@ -351,6 +352,28 @@ def _add_export_draft_command(commands: argparse._SubParsersAction) -> None:
     export.add_argument("--dtype", choices=list(DTYPES), default="float32",
                         help="the exported weights' dtype (default float32)")  # fmt: skip
     export.add_argument("--threads", type=int, help="CPU threads for torch")
+
+
+def _add_datastore_command(commands: argparse._SubParsersAction) -> None:
+    store = commands.add_parser(
+        "datastore",
+        help="build a retrieval datastore (--draft store:FILE) from the target's answers",
+    )
+    store.add_argument("--target", default="default", help="model spec (default: default)")
+    store.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
+    store.add_argument("--data", type=Path, action="append", default=[],
+                       help="training prompts the target answers (greedy); repeatable")  # fmt: skip
+    store.add_argument("--cache", type=Path, action="append", default=[],
+                       help="a train-mtp / distill cache of its answers; repeatable")  # fmt: skip
+    store.add_argument("--text", type=Path, action="append", default=[],
+                       help=".txt files or folders, a document per file; repeatable")  # fmt: skip
+    store.add_argument("--max-new-tokens", type=int, default=128, help="per answer (default 128)")
+    store.add_argument("--limit-per-source", type=int, help="prompts taken from each --data")
+    store.add_argument("--max-ngram", type=int, default=4,
+                       help="the longest context suffix looked up (default 4)")  # fmt: skip
+    store.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                       help="the target's dtype while it answers (default float32)")  # fmt: skip
+    store.add_argument("--threads", type=int, help="CPU threads for torch")
 
 
 def _gamma_arg(text: str) -> str:

@@ -147,7 +147,7 @@ def rescore_cache(
     source's, so a killed rescoring resumes as a build does. With `feature_layers` the
     hidden states are those layers' (the same model may rescore its own answers for it).
     """
-    _check_vocabulary(source, model)
+    check_cache_vocabulary(source, model)
     config = DistillConfig(
         store_hidden=True, topk=0, forward_tokens=forward_tokens, feature_layers=feature_layers
     )
@@ -208,8 +208,9 @@ def _ensure_rescored_shard(
     return {**entry, "sha256": sha256(path.read_bytes())}
 
 
-def _check_vocabulary(source: DistillCache, model: LoadedModel) -> None:
-    """Refuse a rescoring model whose token ids mean other tokens than the source's."""
+def check_cache_vocabulary(source: DistillCache, model: LoadedModel) -> None:
+    """Refuse a model (rescoring, or reading the answers) whose token ids mean other tokens
+    than the cache's."""
     theirs, answered_by = source.manifest.get("vocab_sha256"), source.manifest["model"]["spec"]
     if theirs is None:
         raise SpecMTPError(

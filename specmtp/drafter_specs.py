@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from specmtp.datastore import Datastore, DatastoreDrafter, shipped_store_file
 from specmtp.draft_model import (
     DRAFT_CONFIG,
     SHIPPED_DRAFTS,
@@ -26,7 +27,7 @@ from specmtp.mtp_drafter import MTPDrafter
 from specmtp.output_vocab import output_vocab_ids
 from specmtp.specs import DRAFT_HEADS, OUTPUT_VOCAB, TREE_NODES, split_count, split_heads
 from specmtp.tree import TREE_FILE, TokenTree
-from specmtp.vocab import check_tokenizers_agree, usable_vocab_size
+from specmtp.vocab import check_tokenizers_agree, usable_vocab_size, vocab_digest
 
 
 def build_drafter(
@@ -42,22 +43,26 @@ def build_drafter(
     for the default model; `distilled-mtp-ar` drafts with its LM head alone) or
     `draft:DIR` / `draft-ar:DIR` (one made by `specmtp distill`); `ngram+SPEC` or
     `ngram:N+SPEC` (prompt lookup when the context's last 2..N tokens occurred before, SPEC
-    otherwise); otherwise a model spec as for the target, with `#vocab=N` (its output matrix
-    cut to N tokens) and/or `#heads=DIR` last (MTP heads trained on that model). A Drafter
-    object is used as is.
+    otherwise); `store` / `store:FILE` (retrieval: prompt lookup, then a datastore of the
+    target's answers, the one shipped for the default model unless a file is given) and
+    `store+SPEC` / `store:FILE+SPEC` (SPEC when neither matches); otherwise a model spec
+    as for the target, with `#vocab=N` (its output matrix cut to N tokens) and/or
+    `#heads=DIR` last (MTP heads trained on that model). A Drafter object is used as is.
     """
     target_vocab = usable_vocab_size(target, target)
     if spec is None or not isinstance(spec, str):
         return spec, target_vocab
     name, at, gamma = spec.partition("@")
     if at and (name.startswith("ngram") or name.partition(":")[0].partition("#")[0]
-               in ("mtp", "mtp-tree", "draft", "draft-ar", *SHIPPED_DRAFTS)):  # fmt: skip
+               in ("mtp", "mtp-tree", "draft", "draft-ar", "store", *SHIPPED_DRAFTS)):  # fmt: skip
         raise SpecMTPError(
             f"draft {spec!r}: the @gamma suffix is `specmtp bench --draft` syntax; "
             f"here give --draft {name} --gamma {gamma}"
         )
     if spec.startswith("ngram") and "+" in spec:
         return build_lookup_first_drafter(spec, target, dtype=dtype)
+    if spec == "store" or spec.startswith(("store:", "store+")):
+        return build_store_drafter(spec, target, dtype=dtype)
     spec, heads_dir = split_heads(spec)
     spec, nodes = split_count(spec, TREE_NODES, f"mtp-tree{TREE_NODES}N")
     spec, output_vocab = split_count(spec, OUTPUT_VOCAB, f"MODEL{OUTPUT_VOCAB}N")
@@ -136,6 +141,29 @@ def build_lookup_first_drafter(
     fallback, vocab = build_drafter(rest, target, dtype=dtype)
     assert fallback is not None  # rest is a non-empty spec
     return LookupFirstDrafter(fallback, max_ngram=int(size)), vocab
+
+
+def build_store_drafter(
+    spec: str, target: LoadedModel, *, dtype: torch.dtype
+) -> tuple[Drafter, int]:
+    """`store` / `store:FILE`, alone or as `...+SPEC` with SPEC drafting when neither the
+    context nor the store has a match."""
+    store_spec, plus, rest = spec.partition("+")
+    path = store_spec.partition(":")[2]
+    if store_spec != "store" and not path:
+        raise SpecMTPError(f"bad draft spec {spec!r}: use store, store:FILE or either +SPEC")
+    if plus and (not rest or rest.startswith(("ngram", "store"))):
+        raise SpecMTPError(f"bad draft spec {spec!r}: after store+ name a model drafter")
+    store = Datastore.load(
+        Path(path) if path else shipped_store_file(),
+        vocab_digest=vocab_digest(target.tokenizer),
+    )
+    lookup = DatastoreDrafter(store, name=store_spec)
+    if not plus:
+        return lookup, usable_vocab_size(target, target)
+    fallback, vocab = build_drafter(rest, target, dtype=dtype)
+    assert fallback is not None  # rest is a non-empty spec
+    return LookupFirstDrafter(fallback, lookup=lookup), vocab
 
 
 def build_small_drafter(spec: str, target: LoadedModel) -> DraftModelDrafter:

@@ -91,6 +91,17 @@ class Drafter(Protocol):
     # tokens it will read before drafting that are not in its cache (see drafter_catch_up).
 
 
+class Lookup(Protocol):
+    """A drafter that copies: what follows the context somewhere it has seen it."""
+
+    name: str
+
+    def reset(self) -> None: ...
+
+    def continuation(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Tokens to draft after `ids` [L], as many as it has [m]; None: no match."""
+
+
 class NoMemory:
     """For drafters that hold no weights or cache of their own."""
 
@@ -130,6 +141,12 @@ class NgramDrafter(NoMemory):
         if start is None or k == 0:
             return empty_proposal(context.shape[0], context.device)
         return Proposal(context[:, start : start + k].clone(), None)
+
+    def continuation(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """What followed the latest earlier occurrence of the suffix of `ids` [L]; None if
+        none (the lookup interface LookupFirstDrafter asks)."""
+        start = self.match(ids)
+        return None if start is None else ids[start:]
 
     def match(self, ids: torch.Tensor) -> int | None:
         """Where the tokens after the latest earlier occurrence of the longest matching
@@ -175,25 +192,33 @@ def drafter_catch_up(drafter: Drafter, context: torch.Tensor) -> int:
 
 
 class LookupFirstDrafter:
-    """Prompt lookup first, a model drafter otherwise: each round drafts what followed the
-    latest earlier occurrence of the context's last n >= 2 tokens when there is one (copied
-    text: quotes, code, summaries of the prompt), and asks `fallback` (MTP heads, a draft
-    model) when there is none. The fallback observes every round, so its caches and hidden
-    states stay in step with the committed context even in rounds it did not draft.
+    """Lookup first, a model drafter otherwise: each round drafts what followed the latest
+    earlier occurrence of the context's last n >= 2 tokens when there is one (copied text:
+    quotes, code, summaries of the prompt), or what `lookup` finds (a DatastoreDrafter: the
+    context, then a store of the target's answers), and asks `fallback` (MTP heads, a
+    draft model) when there is none. The fallback observes every round, so its caches and
+    hidden states stay in step with the committed context even in rounds it did not draft.
     Its two arms, LOOKUP_ARM and MODEL_ARM, get a γ schedule each (see drafter_arm).
     """
 
-    def __init__(self, fallback: Drafter, *, max_ngram: int = 3, min_ngram: int = 2) -> None:
-        self.lookup = NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+    def __init__(
+        self,
+        fallback: Drafter,
+        *,
+        max_ngram: int = 3,
+        min_ngram: int = 2,
+        lookup: Lookup | None = None,
+    ) -> None:
+        self.lookup = lookup or NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
         self.fallback = fallback
-        self.name = f"ngram+{fallback.name}"
+        self.name = f"{self.lookup.name}+{fallback.name}"
         self.needs_target_hidden = fallback.needs_target_hidden
         self.target_hidden_layers = getattr(fallback, "target_hidden_layers", None)
         self.lookup_rounds = 0  # rounds drafted by lookup, and by the fallback
         self.fallback_rounds = 0
-        # The last context looked up and where its match continues: the decoder asks
+        # The last context looked up and what it continues with: the decoder asks
         # next_arm, then propose, with the same tensor; one lookup serves both.
-        self._looked_up: tuple[torch.Tensor | None, int | None] = (None, None)
+        self._looked_up: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     def reset(self) -> None:
         self.lookup.reset()
@@ -207,23 +232,24 @@ class LookupFirstDrafter:
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> Proposal:
-        start = self._match(context)
-        if start is not None:
+        found = self._continuation(context)
+        if found is not None:
             self.lookup_rounds += 1
-            return Proposal(context[:, start : start + k].clone(), None)
+            return Proposal(found[:k].unsqueeze(0).clone(), None)
         self.fallback_rounds += 1
         return self.fallback.propose(context, k, sampling, generator)
 
     def next_arm(self, context: torch.Tensor) -> str:
-        return MODEL_ARM if self._match(context) is None else LOOKUP_ARM
+        return MODEL_ARM if self._continuation(context) is None else LOOKUP_ARM
 
-    def _match(self, context: torch.Tensor) -> int | None:
+    def _continuation(self, context: torch.Tensor) -> torch.Tensor | None:
         if self._looked_up[0] is not context:
-            self._looked_up = (context, self.lookup.match(context[0]))
+            self._looked_up = (context, self.lookup.continuation(context[0]))
         return self._looked_up[1]
 
     def catch_up(self, context: torch.Tensor) -> int:
-        return 0 if self._match(context) is not None else drafter_catch_up(self.fallback, context)
+        found = self._continuation(context)
+        return 0 if found is not None else drafter_catch_up(self.fallback, context)
 
     def observe(self, outcome: Outcome) -> None:
         self.fallback.observe(outcome)

@@ -1,0 +1,202 @@
+"""Retrieval drafting (`store:FILE`): the datastore's suffix index against a brute-force
+reference, its continuations, its file, the drafter, greedy output and the CLI."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_VOCAB, hf_greedy, run_cli, tiny_model
+
+from specmtp.api import build_drafter
+from specmtp.config import GenerationConfig, SamplingConfig
+from specmtp.datastore import Datastore, DatastoreDrafter
+from specmtp.decode import SpecDecoder
+from specmtp.drafters import LOOKUP_ARM, MODEL_ARM, LookupFirstDrafter
+from specmtp.errors import SpecMTPError
+from specmtp.models import LoadedModel
+from specmtp.vocab import vocab_digest
+
+GREEDY = SamplingConfig()
+DIGEST = "0123456789abcdef"
+
+
+def random_documents(seed: int, count: int = 12, vocab: int = 6) -> list[list[int]]:
+    """Short documents over a small vocabulary: many repeated n-grams."""
+    generator = np.random.default_rng(seed)
+    return [generator.integers(0, vocab, generator.integers(1, 30)).tolist() for _ in range(count)]
+
+
+def reference_occurrences(documents: list[list[int]], ngram: list[int]) -> list[tuple[int, int]]:
+    """(document, index after the n-gram) of every occurrence, by scanning."""
+    n = len(ngram)
+    return [
+        (d, i + n)
+        for d, doc in enumerate(documents)
+        for i in range(len(doc) - n + 1)
+        if doc[i : i + n] == ngram
+    ]
+
+
+def reference_path(
+    documents: list[list[int]], ngram: list[int], depth: int, min_probability: float = 0.0
+) -> list[int]:
+    """The greedy most frequent continuation, by scanning (ties: the smallest id)."""
+    hits = reference_occurrences(documents, ngram)
+    path: list[int] = []
+    probability = 1.0
+    for _ in range(depth):
+        following = [documents[d][i] for d, i in hits if i < len(documents[d])]
+        if not following:
+            break
+        counts = Counter(following)
+        token = min(counts, key=lambda t: (-counts[t], t))
+        probability *= counts[token] / (len(following) + 1)
+        if probability < min_probability:
+            break
+        path.append(token)
+        hits = [(d, i + 1) for d, i in hits if i < len(documents[d]) and documents[d][i] == token]
+    return path
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_occurrences_and_continuations_match_a_scan(seed: int) -> None:
+    documents = random_documents(seed)
+    store = Datastore(documents, vocab_digest=DIGEST, max_ngram=4)
+    starts = np.cumsum([0] + [len(doc) + 1 for doc in documents])  # each ends in a separator
+    assert len(store.tokens) == starts[-1]
+    generator = np.random.default_rng(seed + 10)
+    for _ in range(200):
+        n = int(generator.integers(1, 5))
+        ngram = generator.integers(0, 7, n).tolist()  # 6 never occurs: some n-grams miss
+        found = sorted(store.occurrences(ngram).tolist())
+        expected = sorted(int(starts[d]) + i for d, i in reference_occurrences(documents, ngram))
+        assert found == expected
+        for min_probability in (0.0, 0.2):
+            path = store.continuation(ngram, 5, min_ngram=n, min_probability=min_probability)
+            assert path == reference_path(documents, ngram, 5, min_probability), ngram
+
+
+def test_the_longest_suffix_wins_and_paths_stop_at_document_ends() -> None:
+    documents = [[1, 2, 3, 4, 5], [9, 2, 3, 7], [8, 2, 3, 7]]
+    store = Datastore(documents, vocab_digest=DIGEST, max_ngram=3)
+    # "2 3" continues with 7 twice and 4 once; "1 2 3" only with 4 5, then the document ends.
+    assert store.continuation([2, 3], 4) == [7]
+    assert store.continuation([1, 2, 3], 4) == [4, 5]
+    assert store.continuation([6, 2, 3], 4) == [7]  # "6 2 3" is absent: the 2-gram answers
+    # min_ngram 2: a lone "3" is not enough, and a 2-gram never seen finds nothing.
+    assert store.continuation([5, 3], 4) == []
+    # Each token's probability is count / (hits + 1): 7 after "2 3" is 2/4 = 0.5.
+    assert store.continuation([2, 3], 4, min_probability=0.5) == [7]
+    assert store.continuation([2, 3], 4, min_probability=0.51) == []
+
+
+def test_save_and_load(tmp_path: Path) -> None:
+    documents = random_documents(3)
+    store = Datastore(documents, vocab_digest=DIGEST, max_ngram=3)
+    path = tmp_path / "store.safetensors"
+    store.save(path)
+    loaded = Datastore.load(path, vocab_digest=DIGEST)
+    assert loaded.tokens.tolist() == store.tokens.tolist()
+    assert (loaded.max_ngram, loaded.documents) == (3, len(documents))
+    for ngram in ([0, 1], [2, 2, 2], [5, 4]):
+        assert loaded.continuation(ngram, 6) == store.continuation(ngram, 6)
+    with pytest.raises(SpecMTPError, match="another tokenizer"):
+        Datastore.load(path, vocab_digest="fedcba9876543210")
+    with pytest.raises(SpecMTPError, match="no datastore file"):
+        Datastore.load(tmp_path / "missing.safetensors")
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(SpecMTPError, match="cannot be read"):
+        Datastore.load(corrupt)
+
+
+def test_the_drafter_looks_in_the_context_then_in_the_store() -> None:
+    store = Datastore([[10, 11, 12, 13], [10, 11, 12, 13]], vocab_digest=DIGEST)
+    drafter = DatastoreDrafter(store)
+    # The context repeats "2 3" (then 7 8): prompt lookup drafts, the store is not asked.
+    own = drafter.propose(torch.tensor([[2, 3, 7, 8, 10, 11, 2, 3]]), 2, GREEDY, None)
+    assert own.tokens.tolist() == [[7, 8]]
+    # No repeat in the context, but the store saw "10 11": 12 13 follow there.
+    stored = drafter.propose(torch.tensor([[5, 6, 10, 11]]), 3, GREEDY, None)
+    assert stored.tokens.tolist() == [[12, 13]]
+    assert drafter.propose(torch.tensor([[5, 6, 1, 2]]), 3, GREEDY, None).tokens.shape == (1, 0)
+    assert drafter.propose(torch.tensor([[5, 6, 10, 11]]), 0, GREEDY, None).tokens.shape == (1, 0)
+
+
+def test_lookup_first_with_a_store_asks_the_fallback_when_neither_matches() -> None:
+    store = Datastore([[10, 11, 12, 13]], vocab_digest=DIGEST)
+    fallback = DatastoreDrafter(Datastore([[1, 2, 99]], vocab_digest=DIGEST), name="other")
+    drafter = LookupFirstDrafter(fallback, lookup=DatastoreDrafter(store, name="store"))
+    assert drafter.name == "store+other"
+    context = torch.tensor([[5, 10, 11]])
+    assert drafter.next_arm(context) == LOOKUP_ARM
+    assert drafter.propose(context, 2, GREEDY, None).tokens.tolist() == [[12, 13]]
+    context = torch.tensor([[5, 1, 2]])
+    assert drafter.next_arm(context) == MODEL_ARM
+    assert drafter.propose(context, 2, GREEDY, None).tokens.tolist() == [[99]]
+    assert (drafter.lookup_rounds, drafter.fallback_rounds) == (1, 1)
+
+
+def test_greedy_output_is_the_targets_own() -> None:
+    target = tiny_model("llama", seed=0)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, TINY_VOCAB, (8,), generator=generator).tolist() for _ in range(6)]
+    answers = [hf_greedy(target, prompt, 40) for prompt in prompts]
+    # The store holds the target's answers to the first prompts (each with the prompt's
+    # last tokens, as `specmtp datastore` keeps them), not to the last one.
+    store = Datastore(
+        [p[-3:] + a for p, a in zip(prompts[:5], answers[:5], strict=True)], vocab_digest=DIGEST
+    )
+    accepted = []
+    for prompt, answer in ((prompts[0], answers[0]), (prompts[5], answers[5])):
+        decoder = SpecDecoder(
+            target, drafter=DatastoreDrafter(store), vocab_size=TINY_VOCAB, context_length=256
+        )
+        result = decoder.generate(prompt, GenerationConfig(max_new_tokens=40, gamma=4))
+        assert result.tokens == answer
+        accepted.append(result.stats.accepted_tokens)
+    # An answer the store holds is drafted from it nearly whole; an unseen one is not.
+    assert accepted[0] >= 30 > accepted[1], accepted
+
+
+def test_specs_and_cli(
+    tmp_path: Path, default_model: LoadedModel, capfd: pytest.CaptureFixture[str]
+) -> None:
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("The cat sat on the mat. The cat sat on the hat.\n")
+    (texts / "b.txt").write_text("A dog sat on the mat.\n")
+    out = tmp_path / "store.safetensors"
+    code, stdout, err = run_cli(capfd, "datastore", "--text", str(texts), "--out", str(out))
+    assert code == 0, err
+    assert '"documents": 2' in stdout.splitlines()[-1]
+    store = Datastore.load(out, vocab_digest=vocab_digest(default_model.tokenizer))
+    tokenizer = default_model.tokenizer
+    # " bird sat on" is nowhere; " sat on" is, three times: " the", then " mat" twice.
+    after = tokenizer(" A bird sat on", add_special_tokens=False).input_ids
+    assert tokenizer.decode(store.continuation(after, 2)) == " the mat"
+
+    drafter, _ = build_drafter(f"store:{out}", default_model)
+    assert isinstance(drafter, DatastoreDrafter) and drafter.name == f"store:{out}"
+    paired, _ = build_drafter(f"store:{out}+mtp", default_model)
+    assert isinstance(paired, LookupFirstDrafter) and isinstance(paired.lookup, DatastoreDrafter)
+    assert paired.name == f"store:{out}+mtp"
+    for bad, message in (
+        (f"store:{out}+ngram", "name a model drafter"),
+        (f"store:{out}+", "name a model drafter"),
+        ("store:", "use store, store:FILE"),
+        (f"store:{tmp_path / 'none.safetensors'}", "no datastore file"),
+    ):
+        with pytest.raises(SpecMTPError, match=message):
+            build_drafter(bad, default_model)
+    code, _, err = run_cli(capfd, "datastore", "--out", str(out))
+    assert code != 0 and "needs --data, --cache or --text" in err
+    code, _, err = run_cli(
+        capfd, "datastore", "--data", "../shared/prompts/eval/gsm8k", "--out", str(out)
+    )
+    assert code != 0 and "evaluation set" in err
+
