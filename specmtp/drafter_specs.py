@@ -25,7 +25,15 @@ from specmtp.kernels import tuned_linear_enabled, use_tuned_linear
 from specmtp.models import LoadedModel, load_model
 from specmtp.mtp_drafter import MTPDrafter
 from specmtp.output_vocab import output_vocab_ids
-from specmtp.specs import DRAFT_HEADS, OUTPUT_VOCAB, TREE_NODES, split_count, split_heads
+from specmtp.specs import (
+    DRAFT_HEADS,
+    MIN_PROBABILITY,
+    OUTPUT_VOCAB,
+    TREE_NODES,
+    split_count,
+    split_heads,
+    split_probability,
+)
 from specmtp.tree import TREE_FILE, TokenTree
 from specmtp.vocab import check_tokenizers_agree, usable_vocab_size, vocab_digest
 
@@ -45,7 +53,8 @@ def build_drafter(
     `ngram:N+SPEC` (prompt lookup when the context's last 2..N tokens occurred before, SPEC
     otherwise); `store` / `store:FILE` (retrieval: prompt lookup, then a datastore of the
     target's answers, the one shipped for the default model unless a file is given) and
-    `store+SPEC` / `store:FILE+SPEC` (SPEC when neither matches); otherwise a model spec
+    `store+SPEC` / `store:FILE+SPEC` (SPEC when neither matches), each with `#min-p=P`
+    (the store's continuation only while its estimated probability is >= P); otherwise a model spec
     as for the target, with `#vocab=N` (its output matrix cut to N tokens) and/or
     `#heads=DIR` last (MTP heads trained on that model). A Drafter object is used as is.
     """
@@ -149,8 +158,9 @@ def build_store_drafter(
     """`store` / `store:FILE`, alone or as `...+SPEC` with SPEC drafting when neither the
     context nor the store has a match."""
     store_spec, plus, rest = spec.partition("+")
-    path = store_spec.partition(":")[2]
-    if store_spec != "store" and not path:
+    base, min_probability = split_probability(store_spec, MIN_PROBABILITY, "store#min-p=P")
+    path = base.partition(":")[2]
+    if base != "store" and not path:
         raise SpecMTPError(f"bad draft spec {spec!r}: use store, store:FILE or either +SPEC")
     if plus and (not rest or rest.startswith(("ngram", "store"))):
         raise SpecMTPError(f"bad draft spec {spec!r}: after store+ name a model drafter")
@@ -158,7 +168,7 @@ def build_store_drafter(
         Path(path) if path else shipped_store_file(),
         vocab_digest=vocab_digest(target.tokenizer),
     )
-    lookup = DatastoreDrafter(store, name=store_spec)
+    lookup = DatastoreDrafter(store, name=store_spec, min_probability=min_probability or 0.0)
     if not plus:
         return lookup, usable_vocab_size(target, target)
     fallback, vocab = build_drafter(rest, target, dtype=dtype)

@@ -1,9 +1,11 @@
-"""Options a draft spec may carry after its name: `#nodes=N`, `#vocab=N` and `#heads=DIR`.
+"""Options a draft spec may carry after its name: `#nodes=N`, `#vocab=N`, `#heads=DIR` and
+`#min-p=P`.
 
 `mtp-tree#nodes=4` verifies a dynamic tree's 4 likeliest nodes a round; `MODEL#vocab=N` cuts a
 draft model's output matrix to N tokens; `MODEL#heads=DIR` drafts with MTP heads trained on
 that draft model (`specmtp train-mtp --target MODEL`). `#heads=` comes last: its path runs
-to the end of the spec.
+to the end of the spec. `store:FILE#min-p=0.5` drafts from a datastore only while its
+continuation's estimated probability is at least 0.5.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from specmtp.errors import SpecMTPError
 TREE_NODES = "#nodes="
 OUTPUT_VOCAB = "#vocab="
 DRAFT_HEADS = "#heads="
+MIN_PROBABILITY = "#min-p="
 
 
 def split_count(spec: str, option: str, usage: str) -> tuple[str, int | None]:
@@ -34,3 +37,18 @@ def split_heads(spec: str) -> tuple[str, str | None]:
     if not base or not path:
         raise SpecMTPError(f"bad draft spec {spec!r}: use MODEL{DRAFT_HEADS}DIR")
     return base, path
+
+
+def split_probability(spec: str, option: str, usage: str) -> tuple[str, float | None]:
+    """`BASE{option}P` -> (BASE, P) with 0 <= P < 1; a spec without the option -> (spec,
+    None). `usage` is how the option is written, for the error message."""
+    base, found, text = spec.partition(option)
+    if not found:
+        return spec, None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0 or not base:
+        raise SpecMTPError(f"bad draft spec {spec!r}: use {usage} with 0 <= P < 1")
+    return base, value

@@ -184,11 +184,15 @@ def test_specs_and_cli(
     assert isinstance(drafter, DatastoreDrafter) and drafter.name == f"store:{out}"
     paired, _ = build_drafter(f"store:{out}+mtp", default_model)
     assert isinstance(paired, LookupFirstDrafter) and isinstance(paired.lookup, DatastoreDrafter)
-    assert paired.name == f"store:{out}+mtp"
+    assert paired.name == f"store:{out}+mtp" and paired.lookup.min_probability == 0.0
+    careful, _ = build_drafter(f"store:{out}#min-p=0.5+mtp", default_model)
+    assert isinstance(careful, LookupFirstDrafter) and careful.lookup.min_probability == 0.5
     for bad, message in (
         (f"store:{out}+ngram", "name a model drafter"),
         (f"store:{out}+", "name a model drafter"),
         ("store:", "use store, store:FILE"),
+        (f"store:{out}#min-p=1.5", "0 <= P < 1"),
+        (f"store:{out}#min-p=x+mtp", "0 <= P < 1"),
         (f"store:{tmp_path / 'none.safetensors'}", "no datastore file"),
     ):
         with pytest.raises(SpecMTPError, match=message):
@@ -199,4 +203,3 @@ def test_specs_and_cli(
         capfd, "datastore", "--data", "../shared/prompts/eval/gsm8k", "--out", str(out)
     )
     assert code != 0 and "evaluation set" in err
-
