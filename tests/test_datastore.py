@@ -3,6 +3,7 @@ reference, its continuations, its file, the drafter, greedy output and the CLI."
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -11,13 +12,16 @@ import pytest
 import torch
 from conftest import TINY_VOCAB, hf_greedy, run_cli, tiny_model
 
+from specmtp.answers import generate_answers
 from specmtp.api import build_drafter
 from specmtp.config import GenerationConfig, SamplingConfig
+from specmtp.data_build import DistillConfig, build_cache
 from specmtp.datastore import Datastore, DatastoreDrafter
+from specmtp.datastore_build import LEAD_TOKENS
 from specmtp.decode import SpecDecoder
 from specmtp.drafters import LOOKUP_ARM, MODEL_ARM, LookupFirstDrafter
 from specmtp.errors import SpecMTPError
-from specmtp.models import LoadedModel
+from specmtp.models import LoadedModel, load_model
 from specmtp.vocab import vocab_digest
 
 GREEDY = SamplingConfig()
@@ -203,3 +207,31 @@ def test_specs_and_cli(
         capfd, "datastore", "--data", "../shared/prompts/eval/gsm8k", "--out", str(out)
     )
     assert code != 0 and "evaluation set" in err
+
+
+def test_built_from_answers_and_caches(
+    tiny_target: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`--data`: the target answers here; `--cache`: the answers a data cache holds. Either
+    way a document is an answer with the LEAD_TOKENS prompt tokens before it."""
+    tiny = load_model(str(tiny_target))
+    prompts = ["Name three colours.", "What is 2 + 2?", "Write a haiku."]
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": p}) + "\n" for p in prompts)
+    )
+    expected = {
+        tuple(s.prompt_ids[-LEAD_TOKENS:] + s.answer_ids)
+        for s in generate_answers(tiny, prompts, max_new_tokens=6)
+    }
+    cache = tmp_path / "cache"
+    build_cache(tiny, prompts, cache, config=DistillConfig(max_new_tokens=6), sources=["inline"])
+    for flag, source in (("--data", tmp_path / "prompts.jsonl"), ("--cache", cache)):
+        out = tmp_path / f"{flag[2:]}.safetensors"
+        code, _, err = run_cli(
+            capfd, "datastore", "--target", str(tiny_target), flag, str(source),
+            "--max-new-tokens", "6", "--out", str(out),
+        )  # fmt: skip
+        assert code == 0, err
+        store = Datastore.load(out, vocab_digest=vocab_digest(tiny.tokenizer))
+        documents = np.split(store.tokens, np.flatnonzero(store.tokens == -1) + 1)[:-1]
+        assert {tuple(doc[:-1].tolist()) for doc in documents} == expected, flag
