@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 
 from specmtp import decode
 from specmtp.config import SamplingConfig
+from specmtp.datastore import Datastore, DatastoreDrafter
 from specmtp.draft_model_drafter import DraftModelDrafter
 from specmtp.drafters import Drafter, LookupFirstDrafter, NgramDrafter
 from specmtp.verification import Verdict, verify_rejection_sampling
@@ -284,6 +285,11 @@ class VerifySpy:
 def make_drafter(kind: str, draft: PreTrainedModel) -> Drafter:
     if kind == "ngram":
         return NgramDrafter()
+    if kind == "store":  # every pair of tokens is in the store: it drafts whenever the
+        # context has no match of its own; (a, b) goes on with (a + b) mod V, then a + 2b
+        pairs = [(a, b) for a in range(TINY_V) for b in range(TINY_V)]
+        chains = [[a, b, (a + b) % TINY_V, (a + 2 * b) % TINY_V] for a, b in pairs]
+        return DatastoreDrafter(Datastore(chains, vocab_digest="tiny"))
     model = DraftModelDrafter(draft, vocab_size=TINY_V)
     # lookup-first: rounds drafted by lookup (one-hot q) and by the model (its q) mix
     return LookupFirstDrafter(model) if kind == "lookup+model" else model
@@ -295,6 +301,7 @@ def make_drafter(kind: str, draft: PreTrainedModel) -> Drafter:
         ("model", "t1.0"),
         ("ngram", "t1.0"),
         ("lookup+model", "t1.0"),
+        ("store", "t1.0"),
         pytest.param("model", "t0.7", marks=pytest.mark.slow),
         pytest.param("model", "t1.0-topk3", marks=pytest.mark.slow),
         pytest.param("model", "t1.0-topp0.8", marks=pytest.mark.slow),
