@@ -44,11 +44,10 @@ class Datastore:
             raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
         parts = [np.append(np.asarray(doc, dtype=np.int64), SEPARATOR) for doc in documents]
         tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        if len(tokens) and tokens.max() > np.iinfo(np.int32).max:
-            raise SpecMTPError("a datastore document holds a token id beyond int32")
+        # the only negative values are the separators, one per document
+        if (tokens < 0).sum() != len(parts) or (tokens > np.iinfo(np.int32).max).any():
+            raise SpecMTPError("a datastore document holds a token id < 0 or beyond int32")
         tokens = tokens.astype(np.int32)
-        if (tokens[tokens != SEPARATOR] < 0).any():
-            raise SpecMTPError("a datastore document holds a negative token id")
         self.tokens = tokens  # [L]: the documents, each followed by SEPARATOR
         self.vocab_digest = vocab_digest
         self.max_ngram = max_ngram

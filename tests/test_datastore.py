@@ -98,6 +98,14 @@ def test_the_longest_suffix_wins_and_paths_stop_at_document_ends() -> None:
     assert store.continuation([2, 3], 4, min_probability=0.51) == []
 
 
+def test_bad_documents_and_an_empty_store() -> None:
+    with pytest.raises(SpecMTPError, match="token id < 0"):
+        Datastore([[1, -1, 2]], vocab_digest=DIGEST)  # -1 would read as a document's end
+    with pytest.raises(SpecMTPError, match="beyond int32"):
+        Datastore([[2**31]], vocab_digest=DIGEST)
+    assert Datastore([], vocab_digest=DIGEST).continuation([1, 2], 3) == []
+
+
 def test_save_and_load(tmp_path: Path) -> None:
     documents = random_documents(3)
     store = Datastore(documents, vocab_digest=DIGEST, max_ngram=3)
