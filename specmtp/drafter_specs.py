@@ -70,7 +70,7 @@ def build_drafter(
         )
     if spec.startswith("ngram") and "+" in spec:
         return build_lookup_first_drafter(spec, target, dtype=dtype)
-    if spec == "store" or spec.startswith(("store:", "store+")):
+    if spec == "store" or spec.startswith(("store:", "store+", "store#")):
         return build_store_drafter(spec, target, dtype=dtype)
     spec, heads_dir = split_heads(spec)
     spec, nodes = split_count(spec, TREE_NODES, f"mtp-tree{TREE_NODES}N")

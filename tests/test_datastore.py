@@ -10,13 +10,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_VOCAB, hf_greedy, run_cli, tiny_model
+from conftest import (
+    SHIPPED_NEW_TOKENS,
+    SHIPPED_PROMPT,
+    TINY_VOCAB,
+    hf_greedy,
+    run_cli,
+    tiny_model,
+)
 
 from specmtp.answers import generate_answers
-from specmtp.api import build_drafter
+from specmtp.api import SpecGenerator, build_drafter
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.data_build import DistillConfig, build_cache
-from specmtp.datastore import Datastore, DatastoreDrafter
+from specmtp.datastore import Datastore, DatastoreDrafter, shipped_store_file
 from specmtp.datastore_build import LEAD_TOKENS
 from specmtp.decode import SpecDecoder
 from specmtp.drafters import LOOKUP_ARM, MODEL_ARM, LookupFirstDrafter
@@ -243,3 +250,20 @@ def test_built_from_answers_and_caches(
         store = Datastore.load(out, vocab_digest=vocab_digest(tiny.tokenizer))
         documents = np.split(store.tokens, np.flatnonzero(store.tokens == -1) + 1)[:-1]
         assert {tuple(doc[:-1].tolist()) for doc in documents} == expected, flag
+
+
+@pytest.mark.parametrize("spec", ["store", "store+mtp"])
+def test_the_shipped_store_drafts_and_stays_greedy_exact(
+    default_model: LoadedModel, shipped_greedy: list[int], spec: str
+) -> None:
+    assert shipped_store_file().is_file(), f"{shipped_store_file()} is missing"
+    generator = SpecGenerator(default_model, draft=spec)
+    ids = generator.encode(SHIPPED_PROMPT, chat=True)
+    result = generator.decoder.generate(ids, GenerationConfig(max_new_tokens=SHIPPED_NEW_TOKENS))
+    assert result.tokens == shipped_greedy
+    # The target's own phrasing is in the store: its drafts get accepted.
+    assert result.stats.accepted_tokens > 0.1 * len(shipped_greedy)
+    with pytest.raises(SpecMTPError, match="another tokenizer"):
+        Datastore.load(shipped_store_file(), vocab_digest="fedcba9876543210")
+    shipped, _ = build_drafter("store#min-p=0.5", default_model)
+    assert isinstance(shipped, DatastoreDrafter) and shipped.min_probability == 0.5
