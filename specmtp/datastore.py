@@ -32,6 +32,10 @@ SHIPPED_STORE = "smollm2-135m-store/datastore.safetensors"  # under specmtp/asse
 SEPARATOR = -1  # after each document; no token id is negative
 FORMAT = "1"
 MAX_HITS = 4096  # occurrences read per lookup, evenly spaced: a common n-gram has many
+# The store's `min_probability` in `store+SPEC` unless the spec says: below it, SPEC (MTP
+# heads) drafts instead. Chosen on held-out training prompts among 0.4, 0.6 and 0.8
+# (docs/retrieval-drafting.md); alone, any match beats drafting nothing: 0.
+BEFORE_FALLBACK_MIN_PROBABILITY = 0.6
 
 
 class Datastore:

@@ -7,7 +7,12 @@ from pathlib import Path
 
 import torch
 
-from specmtp.datastore import Datastore, DatastoreDrafter, shipped_store_file
+from specmtp.datastore import (
+    BEFORE_FALLBACK_MIN_PROBABILITY,
+    Datastore,
+    DatastoreDrafter,
+    shipped_store_file,
+)
 from specmtp.draft_model import (
     DRAFT_CONFIG,
     SHIPPED_DRAFTS,
@@ -54,7 +59,8 @@ def build_drafter(
     otherwise); `store` / `store:FILE` (retrieval: prompt lookup, then a datastore of the
     target's answers, the one shipped for the default model unless a file is given) and
     `store+SPEC` / `store:FILE+SPEC` (SPEC when neither matches), each with `#min-p=P`
-    (the store's continuation only while its estimated probability is >= P); otherwise a model spec
+    (the store's continuation only while its estimated probability is >= P; default 0
+    alone, BEFORE_FALLBACK_MIN_PROBABILITY before SPEC); otherwise a model spec
     as for the target, with `#vocab=N` (its output matrix cut to N tokens) and/or
     `#heads=DIR` last (MTP heads trained on that model). A Drafter object is used as is.
     """
@@ -168,7 +174,9 @@ def build_store_drafter(
         Path(path) if path else shipped_store_file(),
         vocab_digest=vocab_digest(target.tokenizer),
     )
-    lookup = DatastoreDrafter(store, name=store_spec, min_probability=min_probability or 0.0)
+    if min_probability is None:
+        min_probability = BEFORE_FALLBACK_MIN_PROBABILITY if plus else 0.0
+    lookup = DatastoreDrafter(store, name=store_spec, min_probability=min_probability)
     if not plus:
         return lookup, usable_vocab_size(target, target)
     fallback, vocab = build_drafter(rest, target, dtype=dtype)

@@ -23,7 +23,12 @@ from specmtp.answers import generate_answers
 from specmtp.api import SpecGenerator, build_drafter
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.data_build import DistillConfig, build_cache
-from specmtp.datastore import Datastore, DatastoreDrafter, shipped_store_file
+from specmtp.datastore import (
+    BEFORE_FALLBACK_MIN_PROBABILITY,
+    Datastore,
+    DatastoreDrafter,
+    shipped_store_file,
+)
 from specmtp.datastore_build import LEAD_TOKENS
 from specmtp.decode import SpecDecoder
 from specmtp.drafters import LOOKUP_ARM, MODEL_ARM, LookupFirstDrafter
@@ -203,7 +208,9 @@ def test_specs_and_cli(
     assert isinstance(drafter, DatastoreDrafter) and drafter.name == f"store:{out}"
     paired, _ = build_drafter(f"store:{out}+mtp", default_model)
     assert isinstance(paired, LookupFirstDrafter) and isinstance(paired.lookup, DatastoreDrafter)
-    assert paired.name == f"store:{out}+mtp" and paired.lookup.min_probability == 0.0
+    assert paired.name == f"store:{out}+mtp"
+    assert paired.lookup.min_probability == BEFORE_FALLBACK_MIN_PROBABILITY
+    assert drafter.min_probability == 0.0  # alone: any match beats drafting nothing
     careful, _ = build_drafter(f"store:{out}#min-p=0.5+mtp", default_model)
     assert isinstance(careful, LookupFirstDrafter) and careful.lookup.min_probability == 0.5
     for bad, message in (
