@@ -57,7 +57,7 @@ class Datastore:
         self.max_ngram = max_ngram
         self.documents = len(parts)
         padded = np.concatenate([tokens, np.full(max_ngram, SEPARATOR, dtype=np.int32)])
-        starts = np.flatnonzero(tokens != SEPARATOR)
+        starts = np.flatnonzero(tokens != SEPARATOR).astype(np.int32)
         # [max_ngram, P]: column j holds the token j after each start, in suffix order
         columns = np.stack([padded[starts + j] for j in range(max_ngram)])
         order = np.lexsort(columns[::-1])  # sorts by row 0, then row 1, ...
@@ -179,7 +179,8 @@ class DatastoreDrafter(NoMemory):
     """Prompt lookup first (the context's last 3..2 tokens occurred earlier in it: copied
     text), then the datastore's most frequent continuation of the context's last
     max_ngram..2 tokens (REST), as long as its estimated probability stays at or above
-    `min_probability`; proposes nothing when neither matches."""
+    `min_probability`; with `last_token_lookup`, then what followed the last token's
+    previous occurrence in the context (as `ngram` does); nothing when none matches."""
 
     def __init__(
         self,
@@ -187,6 +188,7 @@ class DatastoreDrafter(NoMemory):
         *,
         depth: int = 8,
         min_probability: float = 0.0,
+        last_token_lookup: bool = False,
         name: str = "store",
     ) -> None:
         if not 0.0 <= min_probability < 1.0:
@@ -195,6 +197,7 @@ class DatastoreDrafter(NoMemory):
         self.depth = depth  # the most tokens looked up; a round takes the first k
         self.min_probability = min_probability
         self.context_lookup = NgramDrafter(max_ngram=3, min_ngram=2)
+        self.last_token = NgramDrafter(max_ngram=1) if last_token_lookup else None
         self.name = name
         self.needs_target_hidden = False
 
@@ -220,7 +223,9 @@ class DatastoreDrafter(NoMemory):
             return ids[start:].clone()
         suffix = ids[-self.store.max_ngram :].tolist()
         found = self.store.continuation(suffix, self.depth, min_probability=self.min_probability)
-        return torch.tensor(found, dtype=ids.dtype, device=ids.device) if found else None
+        if found:
+            return torch.tensor(found, dtype=ids.dtype, device=ids.device)
+        return None if self.last_token is None else self.last_token.continuation(ids)
 
     def observe(self, outcome: Outcome) -> None:
         pass

@@ -176,7 +176,9 @@ def build_store_drafter(
     )
     if min_probability is None:
         min_probability = BEFORE_FALLBACK_MIN_PROBABILITY if plus else 0.0
-    lookup = DatastoreDrafter(store, name=store_spec, min_probability=min_probability)
+    lookup = DatastoreDrafter(  # alone, a one-token context match beats drafting nothing
+        store, name=store_spec, min_probability=min_probability, last_token_lookup=not plus
+    )
     if not plus:
         return lookup, usable_vocab_size(target, target)
     fallback, vocab = build_drafter(rest, target, dtype=dtype)

@@ -148,6 +148,16 @@ def test_the_drafter_looks_in_the_context_then_in_the_store() -> None:
     stored = drafter.propose(torch.tensor([[5, 6, 10, 11]]), 3, GREEDY, None)
     assert stored.tokens.tolist() == [[12, 13]]
     assert drafter.propose(torch.tensor([[5, 6, 1, 2]]), 3, GREEDY, None).tokens.shape == (1, 0)
+    # Only the last token (6) occurred before, and the store has nothing: with
+    # last_token_lookup the drafter proposes what followed it, as `ngram` would.
+    context = torch.tensor([[6, 9, 4, 5, 6]])
+    assert drafter.propose(context, 2, GREEDY, None).tokens.shape == (1, 0)
+    unigrams = DatastoreDrafter(store, last_token_lookup=True)
+    assert unigrams.propose(context, 2, GREEDY, None).tokens.tolist() == [[9, 4]]
+    # The store still comes before a one-token match.
+    assert unigrams.propose(torch.tensor([[11, 3, 10, 11]]), 2, GREEDY, None).tokens.tolist() == [
+        [12, 13]
+    ]
     assert drafter.propose(torch.tensor([[5, 6, 10, 11]]), 0, GREEDY, None).tokens.shape == (1, 0)
 
 
@@ -211,6 +221,7 @@ def test_specs_and_cli(
     assert paired.name == f"store:{out}+mtp"
     assert paired.lookup.min_probability == BEFORE_FALLBACK_MIN_PROBABILITY
     assert drafter.min_probability == 0.0  # alone: any match beats drafting nothing
+    assert drafter.last_token is not None and paired.lookup.last_token is None
     careful, _ = build_drafter(f"store:{out}#min-p=0.5+mtp", default_model)
     assert isinstance(careful, LookupFirstDrafter) and careful.lookup.min_probability == 0.5
     for bad, message in (
