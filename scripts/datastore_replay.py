@@ -50,12 +50,19 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, required=True, help="held-out greedy answers")
     parser.add_argument("--gamma", type=int, default=3)
     parser.add_argument("--min-p", default="0", help="comma-separated, e.g. 0,0.3,0.6")
+    parser.add_argument(
+        "--last-token-lookup", action="store_true",
+        help="after the store, the context's last token (what `--draft store` alone does)",
+    )  # fmt: skip
     args = parser.parse_args()
     store = Datastore.load(args.store)
     cache = DistillCache.open(args.cache)
     print(f"{store.documents} documents, {store.num_tokens} tokens; {cache.num_samples} answers")
     for min_p in (float(p) for p in args.min_p.split(",")):
-        found = replay(DatastoreDrafter(store, min_probability=min_p), cache, args.gamma)
+        drafter = DatastoreDrafter(
+            store, min_probability=min_p, last_token_lookup=args.last_token_lookup
+        )
+        found = replay(drafter, cache, args.gamma)
         print(
             f"gamma {args.gamma} min-p {min_p}: "
             + ", ".join(f"{k} {v:.3f}" for k, v in found.items())
