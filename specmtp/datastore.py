@@ -23,8 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
-from specmtp.config import SamplingConfig
-from specmtp.drafters import NgramDrafter, NoMemory, Outcome, Proposal, empty_proposal
+from specmtp.drafters import CopyDrafter, NgramDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.files import first_line, write_atomically
 
@@ -175,7 +174,7 @@ def shipped_store_file() -> Path:
     return Path(__file__).parent / "assets" / SHIPPED_STORE
 
 
-class DatastoreDrafter(NoMemory):
+class DatastoreDrafter(CopyDrafter):
     """Prompt lookup first (the context's last 3..2 tokens occurred earlier in it: copied
     text), then the datastore's most frequent continuation of the context's last
     max_ngram..2 tokens (REST), as long as its estimated probability stays at or above
@@ -201,31 +200,13 @@ class DatastoreDrafter(NoMemory):
         self.name = name
         self.needs_target_hidden = False
 
-    def reset(self) -> None:
-        pass  # stateless: everything it needs is in the context and the store
-
-    def propose(
-        self,
-        context: torch.Tensor,
-        k: int,
-        sampling: SamplingConfig,
-        generator: torch.Generator | None,
-    ) -> Proposal:
-        tokens = self.continuation(context[0]) if k > 0 else None  # batch 1: lookup per sequence
-        if tokens is None:
-            return empty_proposal(context.shape[0], context.device)
-        return Proposal(tokens[:k].unsqueeze(0), None)
-
     def continuation(self, ids: torch.Tensor) -> torch.Tensor | None:
         """What follows `ids` [L]: its own earlier text, else the store's; None if neither."""
         start = self.context_lookup.match(ids)
         if start is not None:
-            return ids[start:].clone()
+            return ids[start:]
         suffix = ids[-self.store.max_ngram :].tolist()
         found = self.store.continuation(suffix, self.depth, min_probability=self.min_probability)
         if found:
             return torch.tensor(found, dtype=ids.dtype, device=ids.device)
         return None if self.last_token is None else self.last_token.continuation(ids)
-
-    def observe(self, outcome: Outcome) -> None:
-        pass

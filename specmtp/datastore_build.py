@@ -14,7 +14,7 @@ from specmtp.datastore import Datastore
 from specmtp.errors import SpecMTPError
 from specmtp.models import DTYPES, LoadedModel, load_model
 from specmtp.text_data import load_texts
-from specmtp.train_prompts import load_train_prompts
+from specmtp.train_prompts import load_train_prompts, refuse_evaluation_sets
 from specmtp.vocab import vocab_digest
 
 # Prompt tokens kept before each answer: the chat template's "assistant" turn opening, so
@@ -37,12 +37,7 @@ class DatastoreConfig:
     def __post_init__(self) -> None:
         if not (self.data or self.caches or self.texts):
             raise SpecMTPError("datastore needs --data, --cache or --text")
-        for path in self.data:
-            if "eval" in Path(path).resolve().parts:
-                raise SpecMTPError(
-                    f"{path} is an evaluation set: build the store from training prompts, "
-                    "not from the prompts the benchmark reports"
-                )
+        refuse_evaluation_sets(self.data, "build the store")
         if not 1 <= self.max_ngram <= 8:
             raise SpecMTPError(f"max-ngram must be in 1..8, got {self.max_ngram}")
         if self.max_new_tokens < 1:

@@ -91,17 +91,6 @@ class Drafter(Protocol):
     # tokens it will read before drafting that are not in its cache (see drafter_catch_up).
 
 
-class Lookup(Protocol):
-    """A drafter that copies: what follows the context somewhere it has seen it."""
-
-    name: str
-
-    def reset(self) -> None: ...
-
-    def continuation(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """Tokens to draft after `ids` [L], as many as it has [m]; None: no match."""
-
-
 class NoMemory:
     """For drafters that hold no weights or cache of their own."""
 
@@ -115,7 +104,33 @@ class NoMemory:
         return 0
 
 
-class NgramDrafter(NoMemory):
+class CopyDrafter(NoMemory):
+    """A drafter that copies: each round proposes the first k tokens of `continuation`,
+    what follows the context somewhere it has seen it; stateless."""
+
+    def reset(self) -> None:
+        pass  # everything it needs is in the context (and in what it copies from)
+
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        found = self.continuation(context[0]) if k > 0 else None  # batch 1: per sequence
+        if found is None:
+            return empty_proposal(context.shape[0], context.device)
+        return Proposal(found[:k].unsqueeze(0).clone(), None)
+
+    def continuation(self, ids: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def observe(self, outcome: Outcome) -> None:
+        pass
+
+
+class NgramDrafter(CopyDrafter):
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens
     (n from max_ngram down to min_ngram) and propose the tokens that followed it."""
 
@@ -126,21 +141,6 @@ class NgramDrafter(NoMemory):
         self.min_ngram = min_ngram
         self.name = "ngram"
         self.needs_target_hidden = False
-
-    def reset(self) -> None:
-        pass  # stateless: everything it needs is in the context
-
-    def propose(
-        self,
-        context: torch.Tensor,
-        k: int,
-        sampling: SamplingConfig,
-        generator: torch.Generator | None,
-    ) -> Proposal:
-        start = self.match(context[0])  # batch 1: lookup is per sequence
-        if start is None or k == 0:
-            return empty_proposal(context.shape[0], context.device)
-        return Proposal(context[:, start : start + k].clone(), None)
 
     def continuation(self, ids: torch.Tensor) -> torch.Tensor | None:
         """What followed the latest earlier occurrence of the suffix of `ids` [L]; None if
@@ -157,9 +157,6 @@ class NgramDrafter(NoMemory):
             if len(hits):  # the latest; something follows it, as the suffix is excluded
                 return int(hits[-1]) + n
         return None
-
-    def observe(self, outcome: Outcome) -> None:
-        pass
 
 
 LOOKUP_ARM = "lookup"  # the arms of a LookupFirstDrafter (see drafter_arm)
@@ -207,7 +204,7 @@ class LookupFirstDrafter:
         *,
         max_ngram: int = 3,
         min_ngram: int = 2,
-        lookup: Lookup | None = None,
+        lookup: CopyDrafter | None = None,
     ) -> None:
         self.lookup = lookup or NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
         self.fallback = fallback

@@ -23,6 +23,17 @@ _TXT_CHUNK_CHARS = 1500
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 
 
+def refuse_evaluation_sets(paths: Sequence[Path | str], what: str) -> None:
+    """A SpecMTPError when a path lies under an `eval` folder: `what` (tuning, a datastore)
+    must not see the prompts the benchmark reports."""
+    for path in paths:
+        if "eval" in Path(path).resolve().parts:
+            raise SpecMTPError(
+                f"{path} is an evaluation set: {what} on training prompts, not on the "
+                "prompts the benchmark reports"
+            )
+
+
 def load_train_prompts(
     sources: Sequence[Path | str],
     *,

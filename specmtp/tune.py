@@ -38,7 +38,7 @@ from specmtp.kernels import MAX_ROWS, measure_kernel_plan
 from specmtp.models import DTYPES, load_model
 from specmtp.profile import Profile, default_profile_path
 from specmtp.stats import GenerationStats
-from specmtp.train_prompts import load_train_prompts
+from specmtp.train_prompts import load_train_prompts, refuse_evaluation_sets
 from specmtp.tree import TokenTree
 from specmtp.tune_tree import budget_trees, expected_tree_tokens, rank_probabilities, sweep_budgets
 
@@ -65,12 +65,7 @@ class TuneConfig:
             raise SpecMTPError("tune needs --prompts (training prompts)")
         if self.dtype not in DTYPES:
             raise SpecMTPError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        for path in self.prompts:
-            if "eval" in Path(path).resolve().parts:
-                raise SpecMTPError(
-                    f"{path} is an evaluation set: tune on training prompts, not on the "
-                    "prompts the benchmark reports"
-                )
+        refuse_evaluation_sets(self.prompts, "tune")
         if not 1 <= self.max_gamma <= 32:
             raise SpecMTPError(f"max-gamma must be in 1..32, got {self.max_gamma}")
         if not self.budgets or not all(1 <= b <= 64 for b in self.budgets):
