@@ -20,7 +20,22 @@ import torch
 
 from specmtp.config import SamplingConfig
 from specmtp.data import DistillCache
-from specmtp.datastore import Datastore, DatastoreDrafter
+from specmtp.datastore import Datastore, DatastoreDrafter, StoreTreeDrafter
+from specmtp.drafters import Proposal
+
+
+def accepted_length(proposal: Proposal, truth: torch.Tensor) -> int:
+    """How many drafts greedy verification keeps: a chain's common prefix with the truth,
+    a tree's longest root-to-node path that matches it."""
+    draft = proposal.tokens[0]
+    if proposal.tree is None:
+        return int(torch.cumprod(draft[: len(truth)] == truth[: len(draft)], 0).sum())
+    best = 0
+    for node, path in enumerate(proposal.tree.paths):
+        nodes = proposal.tree.path_table[node, : len(path)]
+        if len(path) <= len(truth) and bool((draft[nodes] == truth[: len(path)]).all()):
+            best = max(best, len(path))
+    return best
 
 
 def replay(drafter: DatastoreDrafter, cache: DistillCache, gamma: int) -> dict[str, float]:
@@ -31,10 +46,8 @@ def replay(drafter: DatastoreDrafter, cache: DistillCache, gamma: int) -> dict[s
         position = int(mask.nonzero()[0])  # the first answer token
         while position < len(ids):
             proposal = drafter.propose(ids[None, :position], gamma, SamplingConfig(), None)
-            draft = proposal.tokens[0]
-            truth = ids[position : position + len(draft)]
-            accepted = int(torch.cumprod(draft[: len(truth)] == truth, 0).sum())
-            rounds, drafted = rounds + 1, drafted + len(draft)
+            accepted = accepted_length(proposal, ids[position : position + gamma])
+            rounds, drafted = rounds + 1, drafted + proposal.tokens.shape[1]
             committed += accepted + 1
             position += accepted + 1
     return {
@@ -54,19 +67,28 @@ def main() -> None:
         "--last-token-lookup", action="store_true",
         help="after the store, the context's last token (what `--draft store` alone does)",
     )  # fmt: skip
+    parser.add_argument(
+        "--nodes",
+        default="0",
+        help="comma-separated tree sizes; 0: a chain (what --draft store#nodes=N drafts)",
+    )
     args = parser.parse_args()
     store = Datastore.load(args.store)
     cache = DistillCache.open(args.cache)
     print(f"{store.documents} documents, {store.num_tokens} tokens; {cache.num_samples} answers")
     for min_p in (float(p) for p in args.min_p.split(",")):
-        drafter = DatastoreDrafter(
-            store, min_probability=min_p, last_token_lookup=args.last_token_lookup
-        )
-        found = replay(drafter, cache, args.gamma)
-        print(
-            f"gamma {args.gamma} min-p {min_p}: "
-            + ", ".join(f"{k} {v:.3f}" for k, v in found.items())
-        )
+        for nodes in (int(n) for n in args.nodes.split(",")):
+            options = {"min_probability": min_p, "last_token_lookup": args.last_token_lookup}
+            drafter = (
+                StoreTreeDrafter(store, nodes=nodes, **options)
+                if nodes
+                else DatastoreDrafter(store, **options)
+            )
+            found = replay(drafter, cache, args.gamma)
+            print(
+                f"gamma {args.gamma} min-p {min_p} nodes {nodes or 'chain'}: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in found.items())
+            )
 
 
 if __name__ == "__main__":

@@ -23,9 +23,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
-from specmtp.drafters import CopyDrafter, NgramDrafter
+from specmtp.config import SamplingConfig
+from specmtp.drafters import CopyDrafter, NgramDrafter, Proposal, empty_proposal
 from specmtp.errors import SpecMTPError
 from specmtp.files import first_line, write_atomically
+from specmtp.tree import TokenTree, best_tree, build_tree_tokens
 
 SHIPPED_STORE = "smollm2-135m-store/datastore.safetensors"  # under specmtp/assets
 SEPARATOR = -1  # after each document; no token id is negative
@@ -63,6 +65,7 @@ class Datastore:
         self._starts = starts[order]
         self._columns = columns[:, order]
         self._padded = padded
+        self._radix = int(tokens.max()) + 1 if len(tokens) else 1  # a (node, token) key base
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +102,75 @@ class Datastore:
             if len(hits):
                 return self._most_frequent_path(hits, depth, min_probability)
         return []
+
+    def likeliest_continuations(
+        self,
+        context: Sequence[int],
+        depth: int,
+        nodes: int,
+        *,
+        min_ngram: int = 2,
+        min_probability: float = 0.0,
+    ) -> dict[tuple[int, ...], float]:
+        """The `nodes` likeliest continuations, up to `depth` tokens, of the longest suffix
+        of `context` (max_ngram down to min_ngram tokens) found in the store, each with its
+        estimated probability: the nodes of a tree (REST's trie), every one's prefixes
+        among them. {} if none matches or none reaches `min_probability`."""
+        for n in range(min(self.max_ngram, len(context)), min_ngram - 1, -1):
+            hits = self.occurrences(context[-n:])
+            if len(hits):
+                return self._likeliest_prefixes(hits, depth, nodes, min_probability)
+        return {}
+
+    def _likeliest_prefixes(
+        self, hits: np.ndarray, depth: int, nodes: int, min_probability: float
+    ) -> dict[tuple[int, ...], float]:
+        """Every prefix of the hits' continuations is a node, its probability estimated as
+        the product along it of count / (hits continuing its parent + 1), as in
+        _most_frequent_path. A child is always less likely than its parent, so a node below
+        the `nodes`-th likeliest found so far cannot be chosen, nor its descendants: dropped
+        depth by depth, which keeps common n-grams cheap."""
+        if len(hits) > MAX_HITS:
+            hits = hits[:: -(-len(hits) // MAX_HITS)]
+        found: dict[tuple[int, ...], float] = {}
+        paths: list[tuple[int, ...]] = [()]  # each group's path: the hits that follow it
+        probability = np.ones(1)  # [groups]
+        group = np.zeros(len(hits), dtype=np.int64)  # [hits] the group each hit is in
+        for _ in range(depth):
+            token = self._padded[hits].astype(np.int64)  # a hit ends at its document's end
+            live = token != SEPARATOR
+            hits, group, token = hits[live], group[live], token[live]
+            if not len(hits):
+                break
+            keys, first, inverse, counts = np.unique(
+                group * self._radix + token,
+                return_index=True,
+                return_inverse=True,
+                return_counts=True,
+            )
+            parents = group[first]  # [new groups]
+            continuing = np.bincount(group, minlength=len(paths))  # [groups]
+            chance = probability[parents] * counts / (continuing[parents] + 1)
+            floor = min_probability
+            pool = np.concatenate([np.fromiter(found.values(), float, len(found)), chance])
+            if len(pool) >= nodes:
+                floor = max(floor, float(np.partition(pool, -nodes)[-nodes]))
+            keep = chance >= floor
+            if not keep.any():
+                break
+            renumber = np.full(len(keys), -1)
+            renumber[keep] = np.arange(int(keep.sum()))
+            paths = [
+                paths[parent] + (int(key % self._radix),)
+                for parent, key in zip(parents[keep], keys[keep], strict=True)
+            ]
+            probability = chance[keep]
+            found.update(zip(paths, probability.tolist(), strict=True))
+            group = renumber[inverse.reshape(-1)]
+            rows = group >= 0
+            hits, group = hits[rows] + 1, group[rows]
+        chosen = sorted(found, key=lambda path: (-found[path], len(path)))[:nodes]
+        return {path: found[path] for path in chosen}
 
     def _most_frequent_path(
         self, hits: np.ndarray, depth: int, min_probability: float
@@ -210,3 +282,102 @@ class DatastoreDrafter(CopyDrafter):
         if found:
             return torch.tensor(found, dtype=ids.dtype, device=ids.device)
         return None if self.last_token is None else self.last_token.continuation(ids)
+
+
+# A copied continuation's nodes go into a store tree before any of the store's: above every
+# estimated probability, which is below 1.
+COPIED = 2.0
+# The tree a store tree drafter's verify passes are timed with (`tree`): what its trees look
+# like, a main path with alternatives near the root; only the row count and mask matter.
+TIMING_RANK_PROBS = (0.6, 0.2, 0.1, 0.05)
+
+
+class StoreTreeDrafter(DatastoreDrafter):
+    """Retrieval drafting as a token tree (REST verifies a trie of the store's
+    continuations): the context's own continuation when it has one (prompt lookup), then
+    the store's likeliest continuations of the context's last max_ngram..2 tokens, `nodes`
+    nodes at most and k deep, verified in one target forward. A tree that is one path is
+    proposed as a chain (a plain forward verifies it); with `last_token_lookup`, the chain
+    after the last token's previous occurrence when neither finds anything. Candidates are
+    fixed choices: at temperature > 0 they are verified by recursive rejection sampling
+    with one-hot q (tree_verification.verify_tree_sampling), which keeps the output
+    distribution the target's."""
+
+    def __init__(
+        self,
+        store: Datastore,
+        *,
+        nodes: int,
+        depth: int = 8,
+        min_probability: float = 0.0,
+        last_token_lookup: bool = False,
+        name: str = "store",
+    ) -> None:
+        super().__init__(
+            store,
+            depth=depth,
+            min_probability=min_probability,
+            last_token_lookup=last_token_lookup,
+            name=name,
+        )
+        if nodes < 1:
+            raise SpecMTPError(f"a store tree needs nodes >= 1, got {nodes}")
+        self.nodes = nodes
+        self.tree = best_tree([TIMING_RANK_PROBS] * depth, nodes)  # for timing T(n) only
+
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        ids = context[0]  # batch 1: per sequence
+        chosen = self.likeliest(ids, min(k, self.depth))
+        if not chosen:
+            found = None if self.last_token is None or k == 0 else self.last_token.continuation(ids)
+            if found is None:
+                return empty_proposal(context.shape[0], context.device)
+            return Proposal(found[:k].unsqueeze(0).clone(), None)
+        tree, tokens = _token_tree(chosen)
+        node_tokens = {p: torch.tensor([t], device=ids.device) for p, t in tokens.items()}
+        row = build_tree_tokens(tree, node_tokens)  # [1, N]
+        if all(rank == 0 for path in tree.paths for rank in path):  # one path: a chain
+            return Proposal(row, None)
+        return Proposal(row, None, tree=tree)
+
+    def likeliest(self, ids: torch.Tensor, depth: int) -> dict[tuple[int, ...], float]:
+        """The tree's nodes as token paths with their priority: the copied continuation's
+        first (COPIED), then the store's by estimated probability; `nodes` at most."""
+        if depth < 1:
+            return {}
+        found: dict[tuple[int, ...], float] = {}
+        start = self.context_lookup.match(ids)
+        if start is not None:
+            copied = tuple(ids[start : start + depth].tolist())
+            found = {copied[:d]: COPIED for d in range(1, len(copied) + 1)}
+        suffix = ids[-self.store.max_ngram :].tolist()
+        stored = self.store.likeliest_continuations(
+            suffix, depth, self.nodes, min_probability=self.min_probability
+        )
+        for path, chance in stored.items():
+            found.setdefault(path, chance)
+        chosen = sorted(found, key=lambda path: (-found[path], len(path)))[: self.nodes]
+        return {path: found[path] for path in chosen}
+
+
+def _token_tree(
+    chosen: dict[tuple[int, ...], float],
+) -> tuple[TokenTree, dict[tuple[int, ...], int]]:
+    """Token paths (each one's prefixes among them) as a TokenTree of child ranks, siblings
+    ranked likeliest first, and each rank path's token."""
+    ranks: dict[tuple[int, ...], tuple[int, ...]] = {(): ()}
+    children: dict[tuple[int, ...], int] = {}
+    tokens: dict[tuple[int, ...], int] = {}
+    for path in sorted(chosen, key=lambda p: (len(p), -chosen[p], p[-1])):
+        parent = path[:-1]
+        rank = children.get(parent, 0)
+        children[parent] = rank + 1
+        ranks[path] = (*ranks[parent], rank)
+        tokens[ranks[path]] = path[-1]
+    return TokenTree(tuple(tokens)), tokens

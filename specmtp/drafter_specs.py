@@ -11,6 +11,7 @@ from specmtp.datastore import (
     BEFORE_FALLBACK_MIN_PROBABILITY,
     Datastore,
     DatastoreDrafter,
+    StoreTreeDrafter,
     shipped_store_file,
 )
 from specmtp.draft_model import (
@@ -60,7 +61,8 @@ def build_drafter(
     target's answers, the one shipped for the default model unless a file is given) and
     `store+SPEC` / `store:FILE+SPEC` (SPEC when neither matches), each with `#min-p=P`
     (the store's continuation only while its estimated probability is >= P; default 0
-    alone, BEFORE_FALLBACK_MIN_PROBABILITY before SPEC); otherwise a model spec
+    alone, BEFORE_FALLBACK_MIN_PROBABILITY before SPEC), and alone with `#nodes=N` after
+    it (a tree of the N likeliest continuations a round, REST's trie); otherwise a model spec
     as for the target, with `#vocab=N` (its output matrix cut to N tokens) and/or
     `#heads=DIR` last (MTP heads trained on that model). A Drafter object is used as is.
     """
@@ -164,19 +166,28 @@ def build_store_drafter(
     """`store` / `store:FILE`, alone or as `...+SPEC` with SPEC drafting when neither the
     context nor the store has a match."""
     store_spec, plus, rest = spec.partition("+")
-    base, min_probability = split_probability(store_spec, MIN_PROBABILITY, "store#min-p=P")
+    base, nodes = split_count(store_spec, TREE_NODES, f"store[#min-p=P]{TREE_NODES}N")
+    base, min_probability = split_probability(base, MIN_PROBABILITY, "store#min-p=P")
     path = base.partition(":")[2]
     if base != "store" and not path:
         raise SpecMTPError(f"bad draft spec {spec!r}: use store, store:FILE or either +SPEC")
     if plus and (not rest or rest.startswith(("ngram", "store"))):
         raise SpecMTPError(f"bad draft spec {spec!r}: after store+ name a model drafter")
+    if plus and nodes is not None:
+        raise SpecMTPError(f"draft {spec!r}: a store tree ({TREE_NODES}N) drafts alone, not +SPEC")
     store = Datastore.load(
         Path(path) if path else shipped_store_file(),
         vocab_digest=vocab_digest(target.tokenizer),
     )
     if min_probability is None:
         min_probability = BEFORE_FALLBACK_MIN_PROBABILITY if plus else 0.0
-    lookup = DatastoreDrafter(  # alone, a one-token context match beats drafting nothing
+    if nodes is not None:  # alone, a one-token context match beats drafting nothing
+        tree = StoreTreeDrafter(
+            store, nodes=nodes, name=store_spec, min_probability=min_probability,
+            last_token_lookup=True,
+        )  # fmt: skip
+        return tree, usable_vocab_size(target, target)
+    lookup = DatastoreDrafter(
         store, name=store_spec, min_probability=min_probability, last_token_lookup=not plus
     )
     if not plus:

@@ -123,11 +123,12 @@ class MTPDrafter:
 
 
 def drafter_tree(drafter: Drafter | None) -> TokenTree | None:
-    """The token tree a drafter verifies with (a lookup-first drafter: its fallback's), or
+    """The token tree a drafter verifies with (a lookup-first drafter: its fallback's; a
+    store tree drafter, whose trees change every round: one of their typical shape), or
     None for chain drafters."""
     if isinstance(drafter, LookupFirstDrafter):
         return drafter_tree(drafter.fallback)
-    return getattr(drafter, "tree", None) if isinstance(drafter, MTPDrafter) else None
+    return getattr(drafter, "tree", None)
 
 
 def drafter_depth(drafter: Drafter | None) -> int | None:

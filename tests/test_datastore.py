@@ -27,6 +27,7 @@ from specmtp.datastore import (
     BEFORE_FALLBACK_MIN_PROBABILITY,
     Datastore,
     DatastoreDrafter,
+    StoreTreeDrafter,
     shipped_store_file,
 )
 from specmtp.datastore_build import LEAD_TOKENS
@@ -94,6 +95,77 @@ def test_occurrences_and_continuations_match_a_scan(seed: int) -> None:
         for min_probability in (0.0, 0.2):
             path = store.continuation(ngram, 5, min_ngram=n, min_probability=min_probability)
             assert path == reference_path(documents, ngram, 5, min_probability), ngram
+
+
+def reference_prefixes(
+    documents: list[list[int]], ngram: list[int], depth: int
+) -> dict[tuple[int, ...], float]:
+    """Every continuation prefix of `ngram`'s occurrences up to `depth` tokens, with its
+    probability: the product of count / (hits continuing the parent + 1), by scanning."""
+    found: dict[tuple[int, ...], float] = {}
+
+    def grow(hits: list[tuple[int, int]], path: tuple[int, ...], probability: float) -> None:
+        following = [documents[d][i] for d, i in hits if i < len(documents[d])]
+        if len(path) == depth or not following:
+            return
+        for token, count in Counter(following).items():
+            chance = probability * count / (len(following) + 1)
+            found[(*path, token)] = chance
+            kept = [
+                (d, i + 1) for d, i in hits if i < len(documents[d]) and documents[d][i] == token
+            ]
+            grow(kept, (*path, token), chance)
+
+    grow(reference_occurrences(documents, ngram), (), 1.0)
+    return found
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_likeliest_continuations_are_the_top_nodes_of_the_scanned_trie(seed: int) -> None:
+    documents = random_documents(seed, count=20, vocab=4)
+    store = Datastore(documents, vocab_digest=DIGEST, max_ngram=4)
+    generator = np.random.default_rng(seed + 20)
+    for _ in range(100):
+        n = int(generator.integers(1, 5))
+        ngram = generator.integers(0, 4, n).tolist()
+        nodes, floor = int(generator.integers(1, 12)), float(generator.choice([0.0, 0.1]))
+        found = store.likeliest_continuations(ngram, 4, nodes, min_ngram=n, min_probability=floor)
+        reference = {
+            path: chance
+            for path, chance in reference_prefixes(documents, ngram, 4).items()
+            if chance >= floor
+        }
+        best = sorted(reference.values(), reverse=True)[:nodes]
+        # The same probabilities as the nodes a scan ranks first (ties may pick either).
+        assert sorted(found.values(), reverse=True) == pytest.approx(best), ngram
+        for path, chance in found.items():
+            assert chance == pytest.approx(reference[path])
+            assert len(path) == 1 or path[:-1] in found  # a tree: every prefix is in it
+
+
+def test_a_store_tree_holds_the_copied_path_then_the_likeliest_continuations() -> None:
+    store = Datastore([[10, 11, 12, 13], [10, 11, 12, 13], [10, 11, 14]], vocab_digest=DIGEST)
+    # After "10 11": 12 (2/4), then 12 13 (2/4 * 2/3), then 14 (1/4).
+    tree = StoreTreeDrafter(store, nodes=3)
+    proposal = tree.propose(torch.tensor([[5, 6, 10, 11]]), 3, GREEDY, None)
+    assert proposal.tree is not None and proposal.tree.paths == ((0,), (1,), (0, 0))
+    assert proposal.tokens.tolist() == [[12, 14, 13]]
+    # Two nodes: 12 13, one path: a chain, verified without a tree mask.
+    chain = StoreTreeDrafter(store, nodes=2).propose(torch.tensor([[10, 11]]), 3, GREEDY, None)
+    assert chain.tree is None and chain.tokens.tolist() == [[12, 13]]
+    # "10 11" occurred earlier in the context, followed by 9 5: that path comes first, the
+    # store's fill the rest of the budget, k deep.
+    context = torch.tensor([[10, 11, 9, 5, 10, 11]])
+    proposal = StoreTreeDrafter(store, nodes=4).propose(context, 2, GREEDY, None)
+    assert proposal.tree is not None and proposal.tree.paths == ((0,), (1,), (0, 0), (1, 0))
+    assert proposal.tokens.tolist() == [[9, 12, 5, 13]]
+    # Nothing in the context or the store: the last token's earlier continuation, as `store`.
+    lone = StoreTreeDrafter(store, nodes=4, last_token_lookup=True)
+    assert lone.propose(torch.tensor([[6, 9, 4, 6]]), 2, GREEDY, None).tokens.tolist() == [[9, 4]]
+    assert tree.propose(torch.tensor([[6, 9, 4, 6]]), 2, GREEDY, None).tokens.shape == (1, 0)
+    assert tree.propose(torch.tensor([[10, 11]]), 0, GREEDY, None).tokens.shape == (1, 0)
+    with pytest.raises(SpecMTPError, match="nodes >= 1"):
+        StoreTreeDrafter(store, nodes=0)
 
 
 def test_the_longest_suffix_wins_and_paths_stop_at_document_ends() -> None:
@@ -185,16 +257,17 @@ def test_greedy_output_is_the_targets_own() -> None:
     store = Datastore(
         [p[-3:] + a for p, a in zip(prompts[:5], answers[:5], strict=True)], vocab_digest=DIGEST
     )
-    accepted = []
-    for prompt, answer in ((prompts[0], answers[0]), (prompts[5], answers[5])):
-        decoder = SpecDecoder(
-            target, drafter=DatastoreDrafter(store), vocab_size=TINY_VOCAB, context_length=256
-        )
-        result = decoder.generate(prompt, GenerationConfig(max_new_tokens=40, gamma=4))
-        assert result.tokens == answer
-        accepted.append(result.stats.accepted_tokens)
-    # An answer the store holds is drafted from it nearly whole; an unseen one is not.
-    assert accepted[0] >= 30 > accepted[1], accepted
+    for drafter in (DatastoreDrafter(store), StoreTreeDrafter(store, nodes=6)):
+        accepted = []
+        for prompt, answer in ((prompts[0], answers[0]), (prompts[5], answers[5])):
+            decoder = SpecDecoder(
+                target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256
+            )
+            result = decoder.generate(prompt, GenerationConfig(max_new_tokens=40, gamma=4))
+            assert result.tokens == answer
+            accepted.append(result.stats.accepted_tokens)
+        # An answer the store holds is drafted from it nearly whole; an unseen one is not.
+        assert accepted[0] >= 30 > accepted[1], accepted
 
 
 def test_specs_and_cli(
@@ -224,12 +297,18 @@ def test_specs_and_cli(
     assert drafter.last_token is not None and paired.lookup.last_token is None
     careful, _ = build_drafter(f"store:{out}#min-p=0.5+mtp", default_model)
     assert isinstance(careful, LookupFirstDrafter) and careful.lookup.min_probability == 0.5
+    tree, _ = build_drafter(f"store:{out}#min-p=0.1#nodes=5", default_model)
+    assert isinstance(tree, StoreTreeDrafter) and (tree.nodes, tree.min_probability) == (5, 0.1)
+    assert tree.last_token is not None and tree.tree.num_nodes == 5  # T(n) is timed on it
     for bad, message in (
         (f"store:{out}+ngram", "name a model drafter"),
         (f"store:{out}+", "name a model drafter"),
         ("store:", "use store, store:FILE"),
         (f"store:{out}#min-p=1.5", "0 <= P < 1"),
         (f"store:{out}#min-p=x+mtp", "0 <= P < 1"),
+        (f"store:{out}#nodes=0", "#nodes=N with N >= 1"),
+        (f"store:{out}#nodes=4#min-p=0.1", "#nodes=N with N >= 1"),
+        (f"store:{out}#nodes=4+mtp", "drafts alone"),
         (f"store:{tmp_path / 'none.safetensors'}", "no datastore file"),
     ):
         with pytest.raises(SpecMTPError, match=message):
@@ -270,7 +349,7 @@ def test_built_from_answers_and_caches(
         assert {tuple(doc[:-1].tolist()) for doc in documents} == expected, flag
 
 
-@pytest.mark.parametrize("spec", ["store", "store+mtp"])
+@pytest.mark.parametrize("spec", ["store", "store+mtp", "store#nodes=8"])
 def test_the_shipped_store_drafts_and_stays_greedy_exact(
     default_model: LoadedModel, shipped_greedy: list[int], spec: str
 ) -> None:

@@ -25,9 +25,11 @@ from transformers import PreTrainedModel
 
 from specmtp import decode
 from specmtp.config import SamplingConfig
-from specmtp.datastore import Datastore, DatastoreDrafter
+from specmtp.datastore import Datastore, DatastoreDrafter, StoreTreeDrafter
 from specmtp.draft_model_drafter import DraftModelDrafter
 from specmtp.drafters import Drafter, LookupFirstDrafter, NgramDrafter
+from specmtp.tree import TokenTree
+from specmtp.tree_verification import TreeVerdict, verify_tree_sampling
 from specmtp.verification import Verdict, verify_rejection_sampling
 
 Verify = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Generator], Verdict]
@@ -326,6 +328,50 @@ def test_decoder_emits_the_target_joint(
     assert spy.bonus_rounds > 0.1 * spy.drafting_rounds, vars(spy)
     assert spy.rejecting_rounds > 0.1 * spy.drafting_rounds, vars(spy)
     result = fit(counts, target_joint(target, SAMPLINGS[sampling]))
+    assert result.passes, result
+
+
+class TreeSpy:
+    """Wraps verify_tree_sampling inside the decode loop and counts how tree rounds end."""
+
+    def __init__(self) -> None:
+        self.rounds = 0
+        self.second_child = 0  # the accepted path goes through a node's second candidate
+        self.rejected = 0  # no draft accepted: the next token is a recovered one
+
+    def __call__(
+        self,
+        tree: TokenTree,
+        node_tokens: torch.Tensor,
+        target_probs: torch.Tensor,
+        generator: torch.Generator,
+    ) -> TreeVerdict:
+        verdict = verify_tree_sampling(tree, node_tokens, target_probs, generator)
+        path = verdict.accepted_path(0)
+        self.rounds += 1
+        self.second_child += any(tree.paths[node][-1] > 0 for node in path)
+        self.rejected += not path
+        return verdict
+
+
+def test_store_tree_decoding_emits_the_target_joint(
+    tiny_models: tuple[PreTrainedModel, PreTrainedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store tree in the decode loop at temperature 1: every pair of tokens goes on two
+    ways in the store, and the prompt's own repeat adds the copied path, so rounds verify
+    trees whose shape and tokens change with the context (candidates as fixed choices)."""
+    target, _ = tiny_models
+    spy = TreeSpy()
+    monkeypatch.setattr(decode, "verify_tree_sampling", spy)
+    pairs = [(a, b) for a in range(TINY_V) for b in range(TINY_V)]
+    documents = [[a, b, (a + b) % TINY_V, (a + 2 * b) % TINY_V] for a, b in pairs]
+    documents += [[a, b, (a * b + 1) % TINY_V, (b + 3) % TINY_V] for a, b in pairs]
+    drafter = StoreTreeDrafter(Datastore(documents, vocab_digest="tiny"), nodes=4)
+    counts = decoder_counts(target, drafter, SAMPLINGS["t1.0"], LOOP_SAMPLES)
+    assert spy.rounds > LOOP_SAMPLES, vars(spy)  # most generations verify a tree
+    assert spy.second_child > 0.03 * spy.rounds, vars(spy)
+    assert spy.rejected > 0.05 * spy.rounds, vars(spy)
+    result = fit(counts, target_joint(target, SAMPLINGS["t1.0"]))
     assert result.passes, result
 
 
