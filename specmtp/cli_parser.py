@@ -123,7 +123,9 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         "MODEL#heads=DIR, last: MTP heads trained on it by train-mtp --answers-from); "
         "ngram[:N] (prompt lookup); mtp, mtp-tree (MTP heads; mtp-tree#nodes=N: the tree's N "
         "likeliest nodes each round); general, distilled, distilled-mtp (shipped drafts); "
-        "ngram[:N]+SPEC (lookup when it finds a match, SPEC otherwise); omitted: plain decoding",
+        "ngram[:N]+SPEC (lookup when it finds a match, SPEC otherwise); store[:FILE] "
+        "(retrieval from a datastore of the target's answers; #min-p=P; #nodes=N: a tree of its "
+        "N likeliest continuations), store[:FILE]+SPEC; omitted: plain decoding",
     )
     _add_generation_flags(gen, sampled_gamma="auto")  # api.default_gamma
     gen.add_argument(

@@ -12,8 +12,12 @@ holds:
 - Attention. A fused kernel computes a block of queries at once, and masked-out keys change
   the length of its reductions. Here, in the decode phase (at most MAX_LOOP_ROWS query
   rows), each query row is computed alone over exactly the keys it may see, in cache order:
-  the same call, on the same shapes, as a one-token step. A tree's rows gather their
-  ancestors' keys, which sit where a chain would have put them.
+  the same calls, on the same shapes, as a one-token step. A tree's rows gather their
+  ancestors' keys, which sit where a chain would have put them. The row's attention is
+  written out in float32 (two batched products over the key heads and a softmax) rather
+  than a call of SDPA: the CPU's fused kernel costs about 0.12 ms a call for one query,
+  which made every extra verify row cost 6% of a one-token step (30 layers, default
+  model); written out, about 1% (docs/exact-bfloat16.md, "Cheaper verify rows").
 - Matrix products. A BLAS may pick its algorithm (and so its order of additions) by the
   number of rows, or by the input's rank. `use_row_invariant` probes every weight shape of
   the model with 2-D inputs: if F.linear gives each row the same bits whatever the row
@@ -74,22 +78,27 @@ def row_invariant_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    gqa = key.shape[1] != query.shape[1]
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    groups = query.shape[1] // key.shape[1]  # query heads per key head (GQA)
     per_batch = []
     for b in range(batch):
-        keys, values = _RowKeys(key[b : b + 1]), _RowKeys(value[b : b + 1])
+        # [Hkv, S, d] in float32, converted once for every row (exact: each row's slice of
+        # it holds the bits a one-token step's conversion gives)
+        keys, values = _RowKeys(key[b].float()), _RowKeys(value[b].float())
+        # [n, Hkv, G, d]: query head h = kv head h // G, as SDPA's enable_gqa pairs them
+        grouped = (query[b].float() * scale).transpose(0, 1).unflatten(1, (-1, groups))
+        grouped = grouped.contiguous()  # a row's strides do not depend on n
         rows = []
         for j, (prefix, extra) in enumerate(_visible_keys(attention_mask, b, n, key.shape[2])):
             k, v = keys.visible(prefix, extra), values.visible(prefix, extra)
-            q = query[b : b + 1, :, j : j + 1]  # [1, H, 1, d]
-            rows.append(F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa))
-        per_batch.append(torch.cat(rows, 2))  # [1, H, n, d]
-    out = torch.cat(per_batch)  # [B, H, n, d]
-    return out.transpose(1, 2).contiguous(), None
+            rows.append(torch.bmm(torch.bmm(grouped[j], k.transpose(1, 2)).softmax(-1), v))
+        per_batch.append(torch.stack(rows))  # [n, Hkv, G, d]
+    out = torch.stack(per_batch).flatten(2, 3)  # [B, n, H, d]
+    return out.to(query.dtype), None
 
 
 class _RowKeys:
-    """One batch row's keys (or values) [1, Hkv, S, d], as each query row sees them.
+    """One batch row's keys (or values) [Hkv, S, d], as each query row sees them.
 
     A chain row sees a prefix: a view, no copy. A tree row sees the prefix, then its
     ancestors: they are copied into one scratch buffer after a copy of the prefix, which
@@ -104,15 +113,15 @@ class _RowKeys:
 
     def visible(self, prefix: int, extra: torch.Tensor | None) -> torch.Tensor:
         if extra is None:
-            return self.tensor[:, :, :prefix]
+            return self.tensor[:, :prefix]
         if self.buffer is None:
             self.buffer = self.tensor.new_empty(self.tensor.shape)  # S >= any visible length
         if self.valid < prefix:
-            self.buffer[:, :, self.valid : prefix] = self.tensor[:, :, self.valid : prefix]
+            self.buffer[:, self.valid : prefix] = self.tensor[:, self.valid : prefix]
         end = prefix + extra.shape[0]
-        torch.index_select(self.tensor, 2, extra, out=self.buffer[:, :, prefix:end])
+        torch.index_select(self.tensor, 1, extra, out=self.buffer[:, prefix:end])
         self.valid = prefix  # past it, this row's ancestors
-        return self.buffer[:, :, :end]
+        return self.buffer[:, :end]
 
 
 VisibleKeys = list[tuple[int, torch.Tensor | None]]
