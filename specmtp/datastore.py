@@ -295,8 +295,10 @@ TIMING_RANK_PROBS = (0.6, 0.2, 0.1, 0.05)
 class StoreTreeDrafter(DatastoreDrafter):
     """Retrieval drafting as a token tree (REST verifies a trie of the store's
     continuations): the context's own continuation when it has one (prompt lookup), then
-    the store's likeliest continuations of the context's last max_ngram..2 tokens, `nodes`
-    nodes at most and k deep, verified in one target forward. A tree that is one path is
+    the store's likeliest continuations of the context's last max_ngram..2 tokens, verified
+    in one target forward. A round's γ = k is its node budget as well as its depth: k + 1
+    rows to verify, as for a chain of k, so a γ schedule and the cost model T(n) work
+    unchanged; `nodes` caps it. A tree that is one path is
     proposed as a chain (a plain forward verifies it); with `last_token_lookup`, the chain
     after the last token's previous occurrence when neither finds anything. Candidates are
     fixed choices: at temperature > 0 they are verified by recursive rejection sampling
@@ -333,7 +335,7 @@ class StoreTreeDrafter(DatastoreDrafter):
         generator: torch.Generator | None,
     ) -> Proposal:
         ids = context[0]  # batch 1: per sequence
-        chosen = self.likeliest(ids, min(k, self.depth))
+        chosen = self.likeliest(ids, min(k, self.depth), min(k, self.nodes))
         if not chosen:
             found = None if self.last_token is None or k == 0 else self.last_token.continuation(ids)
             if found is None:
@@ -346,7 +348,9 @@ class StoreTreeDrafter(DatastoreDrafter):
             return Proposal(row, None)
         return Proposal(row, None, tree=tree)
 
-    def likeliest(self, ids: torch.Tensor, depth: int) -> dict[tuple[int, ...], float]:
+    def likeliest(
+        self, ids: torch.Tensor, depth: int, nodes: int
+    ) -> dict[tuple[int, ...], float]:
         """The tree's nodes as token paths with their priority: the copied continuation's
         first (COPIED), then the store's by estimated probability; `nodes` at most."""
         if depth < 1:
@@ -358,11 +362,11 @@ class StoreTreeDrafter(DatastoreDrafter):
             found = {copied[:d]: COPIED for d in range(1, len(copied) + 1)}
         suffix = ids[-self.store.max_ngram :].tolist()
         stored = self.store.likeliest_continuations(
-            suffix, depth, self.nodes, min_probability=self.min_probability
+            suffix, depth, nodes, min_probability=self.min_probability
         )
         for path, chance in stored.items():
             found.setdefault(path, chance)
-        chosen = sorted(found, key=lambda path: (-found[path], len(path)))[: self.nodes]
+        chosen = sorted(found, key=lambda path: (-found[path], len(path)))[:nodes]
         return {path: found[path] for path in chosen}
 
 

@@ -153,12 +153,16 @@ def test_a_store_tree_holds_the_copied_path_then_the_likeliest_continuations() -
     # Two nodes: 12 13, one path: a chain, verified without a tree mask.
     chain = StoreTreeDrafter(store, nodes=2).propose(torch.tensor([[10, 11]]), 3, GREEDY, None)
     assert chain.tree is None and chain.tokens.tolist() == [[12, 13]]
-    # "10 11" occurred earlier in the context, followed by 9 5: that path comes first, the
-    # store's fill the rest of the budget, k deep.
-    context = torch.tensor([[10, 11, 9, 5, 10, 11]])
-    proposal = StoreTreeDrafter(store, nodes=4).propose(context, 2, GREEDY, None)
-    assert proposal.tree is not None and proposal.tree.paths == ((0,), (1,), (0, 0), (1, 0))
-    assert proposal.tokens.tolist() == [[9, 12, 5, 13]]
+    # "10 11" occurred earlier in the context, followed by 9 10 11: that path comes first,
+    # the store's fill the rest of the budget, which is k nodes (k + 1 rows, as a chain's).
+    context = torch.tensor([[10, 11, 9, 10, 11]])
+    wide = StoreTreeDrafter(store, nodes=6)
+    proposal = wide.propose(context, 4, GREEDY, None)
+    assert proposal.tree is not None
+    assert proposal.tree.paths == ((0,), (1,), (0, 0), (0, 0, 0))
+    assert proposal.tokens.tolist() == [[9, 12, 10, 11]]
+    assert wide.propose(context, 5, GREEDY, None).tokens.tolist() == [[9, 12, 10, 13, 11]]
+    assert wide.propose(context, 2, GREEDY, None).tokens.tolist() == [[9, 10]]  # a chain
     # Nothing in the context or the store: the last token's earlier continuation, as `store`.
     lone = StoreTreeDrafter(store, nodes=4, last_token_lookup=True)
     assert lone.propose(torch.tensor([[6, 9, 4, 6]]), 2, GREEDY, None).tokens.tolist() == [[9, 4]]
