@@ -23,7 +23,8 @@ from transformers.utils import logging as hf_logging
 
 from specmtp.api import SpecGenerator, default_gamma, gamma_settings, make_config
 from specmtp.bench import BenchConfig, log_to_stderr, run_bench
-from specmtp.cli_parser import build_parser, parse_numbers, parse_size
+from specmtp.cli_parser import build_parser
+from specmtp.cli_values import parse_numbers, parse_size
 from specmtp.config import GenerationConfig
 from specmtp.datastore_build import DatastoreConfig, build_datastore
 from specmtp.distill import DistillTrainConfig, train_draft

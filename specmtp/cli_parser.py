@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 from pathlib import Path
 from typing import Any
 
 from specmtp.api import GUARD_PREFIX
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.distill import OBJECTIVES, DistillTrainConfig
-from specmtp.errors import SpecMTPError
 from specmtp.models import DTYPES
 from specmtp.train import TrainConfig
 from specmtp.tune import TuneConfig
 
-_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 # Config fields that train-mtp and distill both expose as --flags.
 _TRAINING_FLAGS = [
     ("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
@@ -396,25 +393,3 @@ def _int_list(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected numbers like 2,4,8; got {text!r}") from None
-
-
-# parse_size and parse_numbers are not argparse types: the commands call them, so bad input
-# ends in the commands' one-line `specmtp: error:` (cli.main) rather than argparse's usage.
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '2G', '800M', '1.5GiB' or a plain number."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
-    if match is None:
-        raise SpecMTPError(f"bad size {text!r}: use bytes or a number with K, M, G or T")
-    return int(float(match[1]) * _SIZE_UNITS[match[2].upper()])
-
-
-def parse_numbers(text: str | None, kind: type, flag: str) -> tuple[Any, ...]:
-    """The comma-separated numbers of a flag given as text; () when it was not given."""
-    if not text:
-        return ()
-    try:
-        return tuple(kind(part) for part in text.split(","))
-    except ValueError:
-        raise SpecMTPError(f"{flag} takes comma-separated numbers, got {text!r}") from None

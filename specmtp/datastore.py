@@ -348,9 +348,7 @@ class StoreTreeDrafter(DatastoreDrafter):
             return Proposal(row, None)
         return Proposal(row, None, tree=tree)
 
-    def likeliest(
-        self, ids: torch.Tensor, depth: int, nodes: int
-    ) -> dict[tuple[int, ...], float]:
+    def likeliest(self, ids: torch.Tensor, depth: int, nodes: int) -> dict[tuple[int, ...], float]:
         """The tree's nodes as token paths with their priority: the copied continuation's
         first (COPIED), then the store's by estimated probability; `nodes` at most."""
         if depth < 1:
