@@ -28,11 +28,13 @@ def peaked_target_and_draft() -> tuple[PreTrainedModel, PreTrainedModel]:
     return target, perturbed_copy(target, scale=0.5, seed=1)
 
 
-def target_joint(target: PreTrainedModel, sampling: SamplingConfig) -> torch.Tensor:
-    """Exact joint [V, V, V] (float64) of the first three new tokens after PROMPT, by
-    enumeration: one batched forward over PROMPT + every two-token continuation."""
+def target_joint(
+    target: PreTrainedModel, sampling: SamplingConfig, prompt: list[int] = PROMPT
+) -> torch.Tensor:
+    """Exact joint [V, V, V] (float64) of the first three new tokens after `prompt`, by
+    enumeration: one batched forward over the prompt + every two-token continuation."""
     pairs = torch.cartesian_prod(torch.arange(TINY_V), torch.arange(TINY_V))  # [V^2, 2]: (a, b)
-    ids = torch.cat([torch.tensor(PROMPT).expand(len(pairs), -1), pairs], 1)  # [V^2, n+2]
+    ids = torch.cat([torch.tensor(prompt).expand(len(pairs), -1), pairs], 1)  # [V^2, n+2]
     with torch.no_grad():
         logits = target(input_ids=ids).logits[:, -3:, :TINY_V]  # [V^2, 3, V]
     probs = logits_to_probs(logits, sampling).double().reshape(TINY_V, TINY_V, 3, TINY_V)
@@ -43,7 +45,11 @@ def target_joint(target: PreTrainedModel, sampling: SamplingConfig) -> torch.Ten
 
 
 def decoder_counts(
-    target: PreTrainedModel, drafter: Drafter, sampling: SamplingConfig, samples: int
+    target: PreTrainedModel,
+    drafter: Drafter,
+    sampling: SamplingConfig,
+    samples: int,
+    prompt: list[int] = PROMPT,
 ) -> torch.Tensor:
     """Counts [V, V, V] of the NEW_TOKENS tokens of `samples` generations, seeds 0..samples-1."""
     decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_V, context_length=64)
@@ -52,5 +58,5 @@ def decoder_counts(
         config = GenerationConfig(
             max_new_tokens=NEW_TOKENS, gamma=GAMMA, sampling=sampling, seed=seed, stop_on_eos=False
         )
-        counts[tuple(decoder.generate(PROMPT, config).tokens)] += 1
+        counts[tuple(decoder.generate(prompt, config).tokens)] += 1
     return counts
