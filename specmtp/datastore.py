@@ -27,7 +27,7 @@ from specmtp.config import SamplingConfig
 from specmtp.drafters import CopyDrafter, NgramDrafter, Proposal, empty_proposal
 from specmtp.errors import SpecMTPError
 from specmtp.files import first_line, write_atomically
-from specmtp.tree import TokenTree, best_tree, build_tree_tokens
+from specmtp.tree import TokenTree, best_tree
 
 SHIPPED_STORE = "smollm2-135m-store/datastore.safetensors"  # under specmtp/assets
 SEPARATOR = -1  # after each document; no token id is negative
@@ -342,8 +342,7 @@ class StoreTreeDrafter(DatastoreDrafter):
                 return empty_proposal(context.shape[0], context.device)
             return Proposal(found[:k].unsqueeze(0).clone(), None)
         tree, tokens = _token_tree(chosen)
-        node_tokens = {p: torch.tensor([t], device=ids.device) for p, t in tokens.items()}
-        row = build_tree_tokens(tree, node_tokens)  # [1, N]
+        row = torch.tensor([[tokens[p] for p in tree.paths]], device=ids.device)  # [1, N]
         if all(rank == 0 for path in tree.paths for rank in path):  # one path: a chain
             return Proposal(row, None)
         return Proposal(row, None, tree=tree)

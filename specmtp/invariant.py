@@ -16,8 +16,8 @@ holds:
   ancestors' keys, which sit where a chain would have put them. The row's attention is
   written out in float32 (two batched products over the key heads and a softmax) rather
   than a call of SDPA: the CPU's fused kernel costs about 0.12 ms a call for one query,
-  which made every extra verify row cost 6% of a one-token step (30 layers, default
-  model); written out, about 1% (docs/exact-bfloat16.md, "Cheaper verify rows").
+  which made every extra verify row cost about 7% of a one-token step (30 layers, default
+  model, 120-token context); written out, about 1.5% (docs/exact-bfloat16.md).
 - Matrix products. A BLAS may pick its algorithm (and so its order of additions) by the
   number of rows, or by the input's rank. `use_row_invariant` probes every weight shape of
   the model with 2-D inputs: if F.linear gives each row the same bits whatever the row
