@@ -24,10 +24,16 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
 from specmtp.config import SamplingConfig
-from specmtp.drafters import CopyDrafter, NgramDrafter, Proposal, empty_proposal
+from specmtp.drafters import (
+    CopyDrafter,
+    NgramDrafter,
+    Proposal,
+    empty_proposal,
+    paths_proposal,
+)
 from specmtp.errors import SpecMTPError
 from specmtp.files import first_line, write_atomically
-from specmtp.tree import TokenTree, best_tree
+from specmtp.tree import best_tree
 
 SHIPPED_STORE = "smollm2-135m-store/datastore.safetensors"  # under specmtp/assets
 SEPARATOR = -1  # after each document; no token id is negative
@@ -341,11 +347,7 @@ class StoreTreeDrafter(DatastoreDrafter):
             if found is None:
                 return empty_proposal(context.shape[0], context.device)
             return Proposal(found[:k].unsqueeze(0).clone(), None)
-        tree, tokens = _token_tree(chosen)
-        row = torch.tensor([[tokens[p] for p in tree.paths]], device=ids.device)  # [1, N]
-        if all(rank == 0 for path in tree.paths for rank in path):  # one path: a chain
-            return Proposal(row, None)
-        return Proposal(row, None, tree=tree)
+        return paths_proposal(chosen, ids.device)
 
     def likeliest(self, ids: torch.Tensor, depth: int, nodes: int) -> dict[tuple[int, ...], float]:
         """The tree's nodes as token paths with their priority: the copied continuation's
@@ -365,20 +367,3 @@ class StoreTreeDrafter(DatastoreDrafter):
             found.setdefault(path, chance)
         chosen = sorted(found, key=lambda path: (-found[path], len(path)))[:nodes]
         return {path: found[path] for path in chosen}
-
-
-def _token_tree(
-    chosen: dict[tuple[int, ...], float],
-) -> tuple[TokenTree, dict[tuple[int, ...], int]]:
-    """Token paths (each one's prefixes among them) as a TokenTree of child ranks, siblings
-    ranked likeliest first, and each rank path's token."""
-    ranks: dict[tuple[int, ...], tuple[int, ...]] = {(): ()}
-    children: dict[tuple[int, ...], int] = {}
-    tokens: dict[tuple[int, ...], int] = {}
-    for path in sorted(chosen, key=lambda p: (len(p), -chosen[p], p[-1])):
-        parent = path[:-1]
-        rank = children.get(parent, 0)
-        children[parent] = rank + 1
-        ranks[path] = (*ranks[parent], rank)
-        tokens[ranks[path]] = path[-1]
-    return TokenTree(tuple(tokens)), tokens

@@ -28,6 +28,7 @@ from specmtp.errors import SpecMTPError
 from specmtp.heads import SequentialMTP
 from specmtp.heads_io import load_heads, shipped_heads_dir
 from specmtp.kernels import tuned_linear_enabled, use_tuned_linear
+from specmtp.merged_drafter import MergedDrafter
 from specmtp.models import LoadedModel, load_model
 from specmtp.mtp_drafter import MTPDrafter
 from specmtp.output_vocab import output_vocab_ids
@@ -62,7 +63,9 @@ def build_drafter(
     `store+SPEC` / `store:FILE+SPEC` (SPEC when neither matches), each with `#min-p=P`
     (the store's continuation only while its estimated probability is >= P; default 0
     alone, BEFORE_FALLBACK_MIN_PROBABILITY before SPEC), and alone with `#nodes=N` after
-    it (a tree of the N likeliest continuations a round, REST's trie); otherwise a model spec
+    it (a tree of the N likeliest continuations a round, REST's trie); `ngram|SPEC`,
+    `store|SPEC` (the lookup's continuation and MTP heads' drafts verified as one tree,
+    merged_drafter.py; SPEC `mtp` or `mtp-tree`); otherwise a model spec
     as for the target, with `#vocab=N` (its output matrix cut to N tokens) and/or
     `#heads=DIR` last (MTP heads trained on that model). A Drafter object is used as is.
     """
@@ -70,12 +73,14 @@ def build_drafter(
     if spec is None or not isinstance(spec, str):
         return spec, target_vocab
     name, at, gamma = spec.partition("@")
-    if at and (name.startswith("ngram") or name.partition(":")[0].partition("#")[0]
+    if at and (name.startswith("ngram") or "|" in name or name.partition(":")[0].partition("#")[0]
                in ("mtp", "mtp-tree", "draft", "draft-ar", "store", *SHIPPED_DRAFTS)):  # fmt: skip
         raise SpecMTPError(
             f"draft {spec!r}: the @gamma suffix is `specmtp bench --draft` syntax; "
             f"here give --draft {name} --gamma {gamma}"
         )
+    if "|" in spec:
+        return build_merged_drafter(spec, target, dtype=dtype)
     if spec.startswith("ngram") and "+" in spec:
         return build_lookup_first_drafter(spec, target, dtype=dtype)
     if spec == "store" or spec.startswith(("store:", "store+", "store#")):
@@ -160,6 +165,32 @@ def build_lookup_first_drafter(
     return LookupFirstDrafter(fallback, max_ngram=int(size)), vocab
 
 
+def build_merged_drafter(
+    spec: str, target: LoadedModel, *, dtype: torch.dtype
+) -> tuple[MergedDrafter, int]:
+    """`LOOKUP|SPEC`: the lookup's copied continuation and MTP heads' drafts (SPEC: `mtp` or
+    `mtp-tree`, with their options) verified as one tree; LOOKUP is `ngram` / `ngram:N`
+    (matches of 2..N tokens) or `store` / `store:FILE` (the context, then the datastore,
+    `#min-p=P` as for `store+SPEC`)."""
+    lookup_spec, _, rest = spec.partition("|")
+    if rest.partition(":")[0].partition("#")[0] not in ("mtp", "mtp-tree"):
+        raise SpecMTPError(
+            f"bad draft spec {spec!r}: LOOKUP|SPEC unites a lookup with MTP heads (SPEC: mtp or "
+            "mtp-tree, with their options); for another drafter use LOOKUP+SPEC"
+        )
+    heads, vocab = build_drafter(rest, target, dtype=dtype)
+    assert isinstance(heads, MTPDrafter)
+    if lookup_spec.startswith("store"):
+        lookup = build_store_lookup(lookup_spec, spec, target)
+        return MergedDrafter(heads, lookup=lookup), vocab
+    size = lookup_spec.partition(":")[2] or "3"
+    if lookup_spec not in ("ngram", f"ngram:{size}") or not size.isdigit() or int(size) < 2:
+        raise SpecMTPError(
+            f"bad draft spec {spec!r}: before | give ngram, ngram:N (N >= 2), store or store:FILE"
+        )
+    return MergedDrafter(heads, lookup=NgramDrafter(max_ngram=int(size), min_ngram=2)), vocab
+
+
 def build_store_drafter(
     spec: str, target: LoadedModel, *, dtype: torch.dtype
 ) -> tuple[Drafter, int]:
@@ -175,10 +206,7 @@ def build_store_drafter(
         raise SpecMTPError(f"bad draft spec {spec!r}: after store+ name a model drafter")
     if plus and nodes is not None:
         raise SpecMTPError(f"draft {spec!r}: a store tree ({TREE_NODES}N) drafts alone, not +SPEC")
-    store = Datastore.load(
-        Path(path) if path else shipped_store_file(),
-        vocab_digest=vocab_digest(target.tokenizer),
-    )
+    store = load_store(path, target)
     if min_probability is None:
         min_probability = BEFORE_FALLBACK_MIN_PROBABILITY if plus else 0.0
     if nodes is not None:  # alone, a one-token context match beats drafting nothing
@@ -195,6 +223,26 @@ def build_store_drafter(
     fallback, vocab = build_drafter(rest, target, dtype=dtype)
     assert fallback is not None  # rest is a non-empty spec
     return LookupFirstDrafter(fallback, lookup=lookup), vocab
+
+
+def build_store_lookup(lookup_spec: str, spec: str, target: LoadedModel) -> DatastoreDrafter:
+    """The lookup arm of `store|SPEC`: the context, then the store (chains)."""
+    base, min_probability = split_probability(lookup_spec, MIN_PROBABILITY, "store#min-p=P")
+    path = base.partition(":")[2]
+    if base != "store" and not path:
+        raise SpecMTPError(f"bad draft spec {spec!r}: before | give store or store:FILE")
+    if min_probability is None:
+        min_probability = BEFORE_FALLBACK_MIN_PROBABILITY
+    return DatastoreDrafter(
+        load_store(path, target), name=lookup_spec, min_probability=min_probability
+    )
+
+
+def load_store(path: str, target: LoadedModel) -> Datastore:
+    """The datastore at `path`, or the one shipped for the default model when empty."""
+    return Datastore.load(
+        Path(path) if path else shipped_store_file(), vocab_digest=vocab_digest(target.tokenizer)
+    )
 
 
 def build_small_drafter(spec: str, target: LoadedModel) -> DraftModelDrafter:

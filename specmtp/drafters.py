@@ -10,13 +10,14 @@ separate draft model is in draft_model_drafter.py, with MTP heads in mtp_drafter
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from specmtp.config import SamplingConfig
-from specmtp.tree import TokenTree
+from specmtp.tree import Path, TokenTree
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,28 @@ class Outcome:
 
 def empty_proposal(batch: int, device: torch.device) -> Proposal:
     return Proposal(torch.empty(batch, 0, dtype=torch.long, device=device), None)
+
+
+TokenPath = tuple[int, ...]  # draft tokens from the root: a node of a tree of token choices
+
+
+def paths_proposal(chosen: Mapping[TokenPath, float], device: torch.device) -> Proposal:
+    """A batch-1 proposal of the token paths `chosen` (each one's prefixes among them),
+    siblings ranked by their priority, highest first: a chain when they form one path."""
+    ranks: dict[TokenPath, Path] = {(): ()}
+    children: dict[TokenPath, int] = {}
+    tokens: dict[Path, int] = {}
+    for path in sorted(chosen, key=lambda p: (len(p), -chosen[p], p[-1])):
+        parent = path[:-1]
+        rank = children.get(parent, 0)
+        children[parent] = rank + 1
+        ranks[path] = (*ranks[parent], rank)
+        tokens[ranks[path]] = path[-1]
+    tree = TokenTree(tuple(tokens))
+    row = torch.tensor([[tokens[p] for p in tree.paths]], device=device)  # [1, N]
+    if all(rank == 0 for path in tree.paths for rank in path):  # one path: a chain
+        return Proposal(row, None)
+    return Proposal(row, None, tree=tree)
 
 
 class Drafter(Protocol):

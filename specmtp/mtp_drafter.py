@@ -8,12 +8,19 @@ import torch
 
 from specmtp.cache import module_tensors
 from specmtp.config import SamplingConfig
-from specmtp.drafters import Drafter, LookupFirstDrafter, Outcome, Proposal, empty_proposal
+from specmtp.drafters import (
+    Drafter,
+    LookupFirstDrafter,
+    Outcome,
+    Proposal,
+    TokenPath,
+    empty_proposal,
+)
 from specmtp.errors import SpecMTPError
 from specmtp.heads import Heads, SequentialMTP
 from specmtp.mtp_cache import SequentialDraftCache
 from specmtp.sampling import choose, greedy_tokens, logits_to_probs
-from specmtp.tree import Candidates, TokenTree, build_tree_tokens, likeliest_subtree
+from specmtp.tree import Candidates, Path, TokenTree, build_tree_tokens, likeliest_subtree
 
 
 class MTPDrafter:
@@ -101,34 +108,58 @@ class MTPDrafter:
         return self.heads.to_full_logits(logits)
 
     def _tree_proposal(self, context: torch.Tensor, k: int) -> Proposal:
-        """Parallel heads: every depth's candidates from h_t, whatever the parent. Sequential
-        depths: each node's children come from the depth run on that node's own path."""
-        tree = self.tree.pruned(k)
-        if self.history is not None:
-            drafted = self.history.draft_tree(context, tree)
-            candidates: Candidates = drafted.tokens
-            logprob = drafted.logprob
-        else:
-            logits = self._head_logits(k)  # [B, k, V]
-            width = max(path[-1] for path in tree.paths) + 1
-            top = logits.topk(width, dim=-1)  # [B, k, width]
-            candidates = list(top.indices.unbind(1))  # k x [B, width]
-            logprob = {}
-            if self.nodes is not None:  # each head's log-probability by rank
-                chance = top.values.float() - logits.float().logsumexp(-1, keepdim=True)
-                logprob = {p: sum(chance[:, d, r] for d, r in enumerate(p)) for p in tree.paths}
+        tree, candidates, logprob = self._drafted_tree(context, k)
         if self.nodes is not None:  # one tree for the batch: the paths' mean log-probability
             tree = likeliest_subtree({p: float(lp.mean()) for p, lp in logprob.items()}, self.nodes)
         return Proposal(build_tree_tokens(tree, candidates), None, tree=tree)
+
+    def _drafted_tree(
+        self, context: torch.Tensor, k: int
+    ) -> tuple[TokenTree, Candidates, dict[Path, torch.Tensor]]:
+        """The tree drafted this round (pruned to depth k), its candidates and each path's
+        log-probability [B] under the heads. Parallel heads: every depth's candidates from
+        h_t, whatever the parent. Sequential depths: each node's children come from the
+        depth run on that node's own path."""
+        assert self.tree is not None
+        tree = self.tree.pruned(k)
+        if self.history is not None:
+            drafted = self.history.draft_tree(context, tree)
+            return tree, drafted.tokens, drafted.logprob
+        logits = self._head_logits(k)  # [B, k, V]
+        width = max(path[-1] for path in tree.paths) + 1
+        top = logits.topk(width, dim=-1)  # [B, k, width]
+        chance = top.values.float() - logits.float().logsumexp(-1, keepdim=True)
+        logprob = {p: sum(chance[:, d, r] for d, r in enumerate(p)) for p in tree.paths}
+        return tree, list(top.indices.unbind(1)), logprob  # candidates: k x [B, width]
+
+    @torch.inference_mode()
+    def drafted_paths(self, context: torch.Tensor, k: int) -> dict[TokenPath, float]:
+        """This round's drafts (batch 1) as token paths with a priority each, for a drafter
+        that unites them with another draft (MergedDrafter): a tree's every drafted node
+        with its log-probability under the heads (before `nodes` picks), a chain's tokens
+        with minus their depth. Empty when the heads have nothing to draft from yet."""
+        k = min(k, self.max_depth)
+        if self.hidden is None or k == 0:
+            return {}
+        if self.tree is None:
+            chain = self.propose(context, k, SamplingConfig(), None).tokens[0].tolist()
+            return {tuple(chain[:d]): -float(d) for d in range(1, len(chain) + 1)}
+        tree, candidates, logprob = self._drafted_tree(context, k)
+        tokens = build_tree_tokens(tree, candidates)[0].tolist()  # [N] in node order
+        token_path = {(): ()}
+        for path, token in zip(tree.paths, tokens, strict=True):
+            token_path[path] = (*token_path[path[:-1]], token)
+        return {token_path[p]: float(logprob[p][0]) for p in tree.paths}
 
 
 def drafter_tree(drafter: Drafter | None) -> TokenTree | None:
     """The token tree a drafter verifies with (a lookup-first drafter: its fallback's; a
     store tree drafter, whose trees change every round: one of their typical shape), or
     None for chain drafters."""
-    if isinstance(drafter, LookupFirstDrafter):
+    tree = getattr(drafter, "tree", None)  # a merged drafter has its own
+    if tree is None and isinstance(drafter, LookupFirstDrafter):
         return drafter_tree(drafter.fallback)
-    return getattr(drafter, "tree", None)
+    return tree
 
 
 def drafter_depth(drafter: Drafter | None) -> int | None:

@@ -27,7 +27,15 @@ from specmtp import decode
 from specmtp.config import SamplingConfig
 from specmtp.datastore import Datastore, DatastoreDrafter, StoreTreeDrafter
 from specmtp.draft_model_drafter import DraftModelDrafter
-from specmtp.drafters import Drafter, LookupFirstDrafter, NgramDrafter
+from specmtp.drafters import (
+    Drafter,
+    LookupFirstDrafter,
+    NgramDrafter,
+    NoMemory,
+    Outcome,
+    Proposal,
+)
+from specmtp.merged_drafter import MergedDrafter
 from specmtp.tree import TokenTree
 from specmtp.tree_verification import TreeVerdict, verify_tree_sampling
 from specmtp.verification import Verdict, verify_rejection_sampling
@@ -380,6 +388,56 @@ def test_store_tree_decoding_emits_the_target_joint(
     first_child = spy.rounds - spy.second_child - spy.rejected
     assert min(first_child, spy.second_child, spy.rejected) > 0.05 * spy.rounds, vars(spy)
     result = fit(counts, target_joint(target, SAMPLINGS["t1.0"], TREE_PROMPT))
+    assert result.passes, result
+
+
+class FixedHeads(NoMemory):
+    """Stands in for MTP heads in a merged drafter: after token t, the paths t+1 t+2 and
+    t+3 (mod V), whatever the context."""
+
+    name = "fixed"
+    needs_target_hidden = False
+    max_depth = 2
+    nodes = None
+    tree = None
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, outcome: Outcome) -> None:
+        pass
+
+    def drafted_paths(self, context: torch.Tensor, k: int) -> dict[tuple[int, ...], float]:
+        last = int(context[0, -1])
+        a, b = (last + 1) % TINY_V, (last + 3) % TINY_V
+        return {(a,): -1.0, (a, (a + 1) % TINY_V): -2.0, (b,): -1.5}
+
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        chain = [p for p in self.drafted_paths(context, k) if len(p) == min(k, 2)][:1]
+        return Proposal(torch.tensor(chain, dtype=torch.long).reshape(1, -1), None)
+
+
+def test_merged_tree_decoding_emits_the_target_joint(
+    tiny_models: tuple[PreTrainedModel, PreTrainedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup's copy and the heads' drafts as one tree (`ngram|SPEC`) in the decode loop
+    at temperature 1. The prompt ends in "1 2", which occurred before followed by "4 3": the
+    first round's tree holds the copy 4 3 beside the heads' 3 4 and 5."""
+    target, _ = tiny_models
+    spy = TreeSpy()
+    monkeypatch.setattr(decode, "verify_tree_sampling", spy)
+    drafter = MergedDrafter(FixedHeads(), lookup=NgramDrafter(max_ngram=3, min_ngram=2))  # type: ignore[arg-type]
+    counts = decoder_counts(target, drafter, SAMPLINGS["t1.0"], LOOP_SAMPLES)
+    assert spy.rounds >= LOOP_SAMPLES, vars(spy)  # every generation starts with a tree
+    first_child = spy.rounds - spy.second_child - spy.rejected
+    assert min(first_child, spy.second_child, spy.rejected) > 0.05 * spy.rounds, vars(spy)
+    result = fit(counts, target_joint(target, SAMPLINGS["t1.0"]))
     assert result.passes, result
 
 
