@@ -122,7 +122,9 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         "likeliest nodes each round); general, distilled, distilled-mtp (shipped drafts); "
         "ngram[:N]+SPEC (lookup when it finds a match, SPEC otherwise); store[:FILE] "
         "(retrieval from a datastore of the target's answers; #min-p=P; #nodes=N: a tree of its "
-        "N likeliest continuations), store[:FILE]+SPEC; omitted: plain decoding",
+        "N likeliest continuations), store[:FILE]+SPEC; ngram[:N]|SPEC, store[:FILE]|SPEC "
+        "(SPEC mtp or mtp-tree: the copy and the heads' drafts verified as one tree); "
+        "omitted: plain decoding",
     )
     _add_generation_flags(gen, sampled_gamma="auto")  # api.default_gamma
     gen.add_argument(

@@ -46,9 +46,11 @@ class MergedDrafter(LookupFirstDrafter):
         self.heads: MTPDrafter = fallback
         self.name = f"{lookup.name}|{fallback.name}"
         self.nodes = fallback.nodes  # the tree's node budget, copied nodes included
-        self.tree: TokenTree = fallback.tree or best_tree(
+        # What drafter_tree gives: the shape T(n) is timed with. Not `tree`: `specmtp tune`
+        # sweeps tree budgets for drafters with one, and γ pairs for this one's two arms.
+        self.timing_tree: TokenTree = fallback.tree or best_tree(
             [TIMING_RANK_PROBS] * TIMING_DEPTH, TIMING_DEPTH + fallback.max_depth
-        )  # what drafter_tree gives: the shape T(n) is timed with
+        )
 
     def propose(
         self,

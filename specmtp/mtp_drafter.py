@@ -154,9 +154,9 @@ class MTPDrafter:
 
 def drafter_tree(drafter: Drafter | None) -> TokenTree | None:
     """The token tree a drafter verifies with (a lookup-first drafter: its fallback's; a
-    store tree drafter, whose trees change every round: one of their typical shape), or
-    None for chain drafters."""
-    tree = getattr(drafter, "tree", None)  # a merged drafter has its own
+    store tree drafter or a merged drafter, whose trees change every round: one of their
+    typical shape, `timing_tree` for the latter), or None for chain drafters."""
+    tree = getattr(drafter, "timing_tree", None) or getattr(drafter, "tree", None)
     if tree is None and isinstance(drafter, LookupFirstDrafter):
         return drafter_tree(drafter.fallback)
     return tree

@@ -91,12 +91,12 @@ def test_rounds_of_drafts_equal_teacher_forcing_on_the_history(
     assert rounds >= 8
 
 
+@pytest.mark.parametrize("t", [2, 3, 7])  # 2, 3: contexts shorter than the tree is deep
 def test_tree_children_come_from_the_depth_run_on_their_own_path(
-    heads: SequentialMTP, sequence: tuple[torch.Tensor, torch.Tensor]
+    heads: SequentialMTP, sequence: tuple[torch.Tensor, torch.Tensor], t: int
 ) -> None:
     ids, hidden = sequence
     trees, chains = SequentialDraftCache(heads), SequentialDraftCache(heads)
-    t = 7
     for cache in (trees, chains):
         cache.add_hidden(hidden[:, : t - 1])
     for step in (1, 3, 2, 4, 1):
