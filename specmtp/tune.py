@@ -36,6 +36,7 @@ from specmtp.drafters import LOOKUP_ARM, MODEL_ARM, has_arms
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import MAX_ROWS, measure_kernel_plan
 from specmtp.models import DTYPES, load_model
+from specmtp.mtp_drafter import drafter_tree
 from specmtp.profile import Profile, default_profile_path
 from specmtp.stats import GenerationStats
 from specmtp.train_prompts import load_train_prompts, refuse_evaluation_sets
@@ -325,8 +326,10 @@ def run_tune(config: TuneConfig, *, log: Log) -> Profile:
     target = load_model(config.target, dtype=DTYPES[config.dtype])
     plain, spec = SpecGenerator(target), SpecGenerator(target, draft=config.draft)
     prompt_ids = [plain.encode(text, chat=True) for text in texts]
-    tree = getattr(spec.decoder.drafter, "tree", None)
-    rows = MAX_ROWS if tree is not None else config.max_gamma + 1  # the verify passes to come
+    tree = getattr(spec.decoder.drafter, "tree", None)  # a tree drafter: budgets to sweep
+    # The verify passes to come, as decode_schedules.verify_rows counts them: any tree (a
+    # lookup-first or merged drafter's too) may verify up to MAX_ROWS rows.
+    rows = MAX_ROWS if drafter_tree(spec.decoder.drafter) is not None else config.max_gamma + 1
     plan = measure_kernel_plan(spec.decoder.target, prompt_ids[0], max_rows=rows)
     if plan is not None:
         log(f"kernel plan (transposed product by rows): {plan.by_rows}; weights {plan.layout}")

@@ -156,7 +156,7 @@ def test_specs(default_model: LoadedModel) -> None:
     assert drafter_tree(drafter) is drafter.heads.tree  # T(n) is timed with the heads' tree
     chain, _ = build_drafter("ngram:4|mtp", default_model)
     assert isinstance(chain, MergedDrafter) and chain.lookup.max_ngram == 4  # type: ignore[attr-defined]
-    assert chain.nodes is None and chain.timing_tree.num_nodes > chain.heads.max_depth  # a timing shape
+    assert chain.nodes is None and chain.timing_tree.num_nodes > chain.heads.max_depth
     store, _ = build_drafter("store#min-p=0.5|mtp-tree", default_model)
     assert isinstance(store, MergedDrafter) and store.name == "store#min-p=0.5|mtp-tree"
     assert store.lookup.min_probability == 0.5  # type: ignore[attr-defined]
