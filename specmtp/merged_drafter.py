@@ -64,12 +64,15 @@ class MergedDrafter(LookupFirstDrafter):
             self.fallback_rounds += 1
             return self.heads.propose(context, k, sampling, generator)
         self.lookup_rounds += 1
-        return paths_proposal(self.united(found[:k].tolist(), context), context.device)
+        return paths_proposal(self.united(found[:k].tolist(), context, k), context.device)
 
-    def united(self, copied: list[int], context: torch.Tensor) -> dict[TokenPath, float]:
-        """The copied path's nodes, then the heads' by their priority, `nodes` at most."""
+    def united(self, copied: list[int], context: torch.Tensor, k: int) -> dict[TokenPath, float]:
+        """The copied path's nodes, then the heads' by their priority, `nodes` at most, none
+        deeper than k (the decoder's limit: new tokens, context, memory)."""
         found = {tuple(copied[:d]): COPIED for d in range(1, len(copied) + 1)}
-        for path, priority in self.heads.drafted_paths(context, self.heads.max_depth).items():
-            found.setdefault(path, priority)
+        drafted = self.heads.drafted_paths(context, min(k, self.heads.max_depth))
+        for path, priority in drafted.items():
+            if len(path) <= k:
+                found.setdefault(path, priority)
         chosen = sorted(found, key=lambda path: (-found[path], len(path)))[: self.nodes]
         return {path: found[path] for path in chosen}

@@ -90,8 +90,9 @@ def test_the_tree_holds_the_copy_then_the_heads_likeliest_nodes() -> None:
     assert [first[(0, 0)], first[(0, 1)], first[(0, 2)]] == [8, 5, 6]
     assert drafter.heads.asked == [3]  # the heads draft their whole depth beside any copy
     assert (drafter.lookup_rounds, drafter.fallback_rounds) == (1, 0)
-    # γ bounds the copy: one copied token, the heads' nodes beside it.
-    assert node_paths(drafter.propose(COPYING, 1, GREEDY, None)) == {(7,), *HEADS}
+    # γ bounds the tree's depth: one copied token, the heads' first tokens beside it.
+    assert node_paths(drafter.propose(COPYING, 1, GREEDY, None)) == {(7,), (4,)}
+    assert drafter.heads.asked == [3, 1]
 
 
 def test_a_node_budget_keeps_the_copy_and_drops_the_least_likely_drafts() -> None:
