@@ -28,6 +28,7 @@ from specmtp.drafters import (
     CopyDrafter,
     NgramDrafter,
     Proposal,
+    copy_first,
     empty_proposal,
     paths_proposal,
 )
@@ -290,9 +291,6 @@ class DatastoreDrafter(CopyDrafter):
         return None if self.last_token is None else self.last_token.continuation(ids)
 
 
-# A copied continuation's nodes go into a store tree before any of the store's: above every
-# estimated probability, which is below 1.
-COPIED = 2.0
 # The tree a store tree drafter's verify passes are timed with (`tree`): what its trees look
 # like, a main path with alternatives near the root; only the row count and mask matter.
 TIMING_RANK_PROBS = (0.6, 0.2, 0.1, 0.05)
@@ -351,19 +349,13 @@ class StoreTreeDrafter(DatastoreDrafter):
 
     def likeliest(self, ids: torch.Tensor, depth: int, nodes: int) -> dict[tuple[int, ...], float]:
         """The tree's nodes as token paths with their priority: the copied continuation's
-        first (COPIED), then the store's by estimated probability; `nodes` at most."""
+        first, then the store's by estimated probability; `nodes` at most."""
         if depth < 1:
             return {}
-        found: dict[tuple[int, ...], float] = {}
         start = self.context_lookup.match(ids)
-        if start is not None:
-            copied = tuple(ids[start : start + depth].tolist())
-            found = {copied[:d]: COPIED for d in range(1, len(copied) + 1)}
+        copied = () if start is None else tuple(ids[start : start + depth].tolist())
         suffix = ids[-self.store.max_ngram :].tolist()
         stored = self.store.likeliest_continuations(
             suffix, depth, nodes, min_probability=self.min_probability
         )
-        for path, chance in stored.items():
-            found.setdefault(path, chance)
-        chosen = sorted(found, key=lambda path: (-found[path], len(path)))[:nodes]
-        return {path: found[path] for path in chosen}
+        return copy_first(copied, stored, nodes)

@@ -10,7 +10,8 @@ separate draft model is in draft_model_drafter.py, with MTP heads in mtp_drafter
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,6 +60,20 @@ def empty_proposal(batch: int, device: torch.device) -> Proposal:
 
 
 TokenPath = tuple[int, ...]  # draft tokens from the root: a node of a tree of token choices
+
+
+def copy_first(
+    copied: Sequence[int], drafted: Mapping[TokenPath, float], nodes: int | None
+) -> dict[TokenPath, float]:
+    """A tree's nodes as token paths with their priority: every prefix of the copied
+    continuation first, then the drafted paths (each one's prefixes among them) by their
+    priority, highest first; `nodes` at most (None: all). A path never outranks its parent,
+    so the nodes kept form a tree."""
+    found = {tuple(copied[:d]): math.inf for d in range(1, len(copied) + 1)}
+    for path, priority in drafted.items():
+        found.setdefault(path, priority)
+    chosen = sorted(found, key=lambda path: (-found[path], len(path)))[:nodes]
+    return {path: found[path] for path in chosen}
 
 
 def paths_proposal(chosen: Mapping[TokenPath, float], device: torch.device) -> Proposal:

@@ -18,16 +18,20 @@ target's.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from specmtp.config import SamplingConfig
-from specmtp.drafters import CopyDrafter, LookupFirstDrafter, Proposal, TokenPath, paths_proposal
+from specmtp.drafters import (
+    CopyDrafter,
+    LookupFirstDrafter,
+    Proposal,
+    TokenPath,
+    copy_first,
+    paths_proposal,
+)
 from specmtp.mtp_drafter import MTPDrafter
 from specmtp.tree import TokenTree, best_tree
 
-COPIED = math.inf  # a copied continuation's nodes go in before any of the heads'
 # The tree a merged drafter's verify passes are timed with when its heads draft chains:
 # a copied path and a chain beside it (only the row count and the mask matter).
 TIMING_RANK_PROBS = (0.6, 0.3)
@@ -45,12 +49,16 @@ class MergedDrafter(LookupFirstDrafter):
         super().__init__(fallback, lookup=lookup)
         self.heads: MTPDrafter = fallback
         self.name = f"{lookup.name}|{fallback.name}"
-        self.nodes = fallback.nodes  # the tree's node budget, copied nodes included
         # What drafter_tree gives: the shape T(n) is timed with. Not `tree`: `specmtp tune`
         # sweeps tree budgets for drafters with one, and γ pairs for this one's two arms.
         self.timing_tree: TokenTree = fallback.tree or best_tree(
             [TIMING_RANK_PROBS] * TIMING_DEPTH, TIMING_DEPTH + fallback.max_depth
         )
+
+    @property
+    def nodes(self) -> int | None:
+        """The tree's node budget, copied nodes included: the heads' own (None: no cap)."""
+        return self.heads.nodes
 
     def propose(
         self,
@@ -69,10 +77,4 @@ class MergedDrafter(LookupFirstDrafter):
     def united(self, copied: list[int], context: torch.Tensor, k: int) -> dict[TokenPath, float]:
         """The copied path's nodes, then the heads' by their priority, `nodes` at most, none
         deeper than k (the decoder's limit: new tokens, context, memory)."""
-        found = {tuple(copied[:d]): COPIED for d in range(1, len(copied) + 1)}
-        drafted = self.heads.drafted_paths(context, min(k, self.heads.max_depth))
-        for path, priority in drafted.items():
-            if len(path) <= k:
-                found.setdefault(path, priority)
-        chosen = sorted(found, key=lambda path: (-found[path], len(path)))[: self.nodes]
-        return {path: found[path] for path in chosen}
+        return copy_first(copied, self.heads.drafted_paths(context, k), self.nodes)

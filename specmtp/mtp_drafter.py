@@ -134,10 +134,11 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def drafted_paths(self, context: torch.Tensor, k: int) -> dict[TokenPath, float]:
-        """This round's drafts (batch 1) as token paths with a priority each, for a drafter
-        that unites them with another draft (MergedDrafter): a tree's every drafted node
-        with its log-probability under the heads (before `nodes` picks), a chain's tokens
-        with minus their depth. Empty when the heads have nothing to draft from yet."""
+        """This round's drafts (batch 1), none deeper than k, as token paths with a priority
+        each, for a drafter that unites them with another draft (MergedDrafter): a tree's
+        every drafted node with its log-probability under the heads (before `nodes` picks),
+        a chain's tokens with minus their depth. Empty when the heads have nothing to draft
+        from yet."""
         k = min(k, self.max_depth)
         if self.hidden is None or k == 0:
             return {}

@@ -41,8 +41,8 @@ class FixedHeads(NoMemory):
         pass
 
     def drafted_paths(self, context: torch.Tensor, k: int) -> dict[tuple[int, ...], float]:
-        self.asked.append(k)
-        return dict(self.paths)
+        self.asked.append(k)  # MTPDrafter.drafted_paths: paths no deeper than k or the heads
+        return {p: lp for p, lp in self.paths.items() if len(p) <= min(k, self.max_depth)}
 
     def propose(
         self,
