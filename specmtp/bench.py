@@ -219,7 +219,8 @@ class BenchResult:
             "kernel_plan_from": "stored" if self.config.stored_kernels else "measured",
             "kernel_plan": None if self.kernel_plan is None else self.kernel_plan.by_rows,
             "kernel_layout": None if self.kernel_plan is None else self.kernel_plan.layout,
-            # "flat" or "padded" products when half-precision forwards are row-invariant
+            # the products of row-invariant half-precision forwards: "flat", "padded", or
+            # per weight shape ("flat, padded for 576x1536")
             "row_invariant": None if self.kernel_plan is None else self.kernel_plan.row_invariant,
         }
 

@@ -22,9 +22,13 @@ holds:
   number of rows, or by the input's rank. `use_row_invariant` probes every weight shape of
   the model with 2-D inputs: if F.linear gives each row the same bits whatever the row
   count, it is kept, with inputs flattened to 2-D as probed ("flat"; some BLAS builds take
-  another kernel for a 3-D input of one row than of several); otherwise every product runs on
-  blocks of exactly PAD_ROWS rows (zero-padded), so a row's bits never depend on the
-  others. Neither passing, the model is refused.
+  another kernel for a 3-D input of one row than of several). A shape that fails runs on
+  blocks of exactly PAD_ROWS rows (zero-padded, "padded"), so a row's bits never depend
+  on the others. Shapes are probed one by one because padding costs: a padded product
+  costs what 16 rows do, about 2.7 one-row products in bfloat16 on an AMD EPYC, where of
+  the default model's five weight shapes only the 576 x 1536 down projection fails
+  (smaller blocks of it fail too: which rows of a call differ from their one-row bits
+  depends on the data). None passing, the model is refused.
 
 Everything else in a decoder layer (norms, rotary embeddings, activations) works row by row.
 Whatever the parts promise, `forwards_agree` checks the whole model at load.
@@ -34,15 +38,16 @@ a prompt through the same single forward, so they still agree.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from specmtp.errors import SpecMTPError
-from specmtp.kernels import PAD_ROWS, kernel_plan, padded_linear, use_tuned_linear
+from specmtp.kernels import PAD_ROWS, invariant_linear, kernel_plan, use_tuned_linear
 
 ATTENTION = "specmtp_row_invariant"
 MAX_LOOP_ROWS = 32  # query rows computed one by one; longer inputs (prompts) use the fused kernel
@@ -160,45 +165,81 @@ AttentionInterface.register(ATTENTION, row_invariant_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
 
 
-def rows_invariant(weight: torch.Tensor, *, padded: bool, seed: int = 0) -> bool:
-    """Whether every row of a product with `weight` [out, in] gets the same bits at every
-    row count 1..PROBE_ROWS and at every place in the block (random inputs)."""
+def rows_invariant(weight: torch.Tensor, *, product: str = "flat", seed: int = 0) -> bool:
+    """Whether every row of a product with `weight` [out, in] (a TunedLinear.invariant_product)
+    gets the same bits at every row count 1..PROBE_ROWS and at every place in the block
+    (random inputs)."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.dtype)
-    product = padded_linear if padded else F.linear
     with torch.inference_mode():
-        full = product(x, weight, None)  # [R, out]
+        full = invariant_linear(x, weight, None, product)  # [R, out]
         for m in range(1, PROBE_ROWS):
-            if not torch.equal(product(x[:m], weight, None), full[:m]):
+            if not torch.equal(invariant_linear(x[:m], weight, None, product), full[:m]):
                 return False
-            if not torch.equal(product(x[m : m + 1], weight, None), full[m : m + 1]):
+            if not torch.equal(
+                invariant_linear(x[m : m + 1], weight, None, product), full[m : m + 1]
+            ):
                 return False
     return True
 
 
+def invariant_product(weight: torch.Tensor) -> str | None:
+    """The cheaper row-invariant product for `weight` that passes its probe: F.linear
+    ("flat"), else 16-row padded blocks ("padded"); None if neither passes."""
+    return next((p for p in ("flat", "padded") if rows_invariant(weight, product=p)), None)
+
+
 def use_row_invariant(model: nn.Module) -> str:
-    """Make `model`'s forwards row-invariant (module docstring); returns the product kind
-    chosen, "flat" or "padded". The first kind whose products pass the per-shape probe
-    and whose whole model passes `forwards_agree` is kept; neither, the model is refused."""
-    weights = {
-        (m.weight.shape, m.weight.dtype): m.weight
-        for m in model.modules()
-        if isinstance(m, nn.Linear)
-    }
+    """Make `model`'s forwards row-invariant (module docstring); returns its products'
+    description (KernelPlan.row_invariant). Each weight shape takes the product
+    `invariant_product` finds for it; if the whole model then fails `forwards_agree`, padded
+    blocks everywhere are tried; neither passing, the model is refused."""
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    weights = {(m.weight.shape, m.weight.dtype): m.weight for m in layers}
     plan = kernel_plan(model) or use_tuned_linear(model)
     if model.config._attn_implementation != ATTENTION:
         plan.stock_attention = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION)
-    for kind in ("flat", "padded"):
-        if all(rows_invariant(w, padded=kind == "padded") for w in weights.values()):
-            plan.row_invariant = kind
-            if forwards_agree(model):
-                return kind
+    for products in _product_choices(weights):
+        for layer in layers:
+            layer.invariant_product = products[layer.weight.shape, layer.weight.dtype]
+        plan.row_invariant = describe_products(products)
+        if forwards_agree(model):
+            return plan.row_invariant
     raise SpecMTPError(
         "this machine's kernels round a token differently by how many tokens a forward "
         f"holds, even in fixed blocks, so {model.dtype} decoding cannot be made exact here; "
         "use float32"
     )
+
+
+Shape = tuple[torch.Size, torch.dtype]  # a weight's shape and dtype: one probe for all alike
+
+
+def _product_choices(weights: dict[Shape, torch.Tensor]) -> Iterator[dict[Shape, str]]:
+    """Products per weight shape to try, in order: each shape's own, then padded blocks
+    everywhere (when that differs and passes)."""
+    chosen = {key: invariant_product(weight) for key, weight in weights.items()}
+    if None not in chosen.values():
+        yield chosen  # type: ignore[misc]  # no None in it
+    if set(chosen.values()) != {"padded"} and all(
+        rows_invariant(w, product="padded") for w in weights.values()
+    ):
+        yield dict.fromkeys(weights, "padded")
+
+
+def describe_products(products: dict[Shape, str]) -> str:
+    """The products of a model's weights in a few words: the one every shape takes (e.g.
+    "flat"), or the commonest and then the others with their shapes ("flat, padded for
+    576x1536")."""
+    kinds = list(products.values())
+    common = max(dict.fromkeys(kinds), key=kinds.count)
+    others = [
+        f"{kind} for {'x'.join(map(str, shape))}"
+        for (shape, _), kind in products.items()
+        if kind != common
+    ]
+    return ", ".join([str(common), *others])
 
 
 @torch.inference_mode()

@@ -72,9 +72,10 @@ class KernelPlan:
     by_rows: dict[int, str] = field(default_factory=dict)  # rows -> one of STRATEGIES
     disabled: bool = False  # F.linear everywhere for now (see stock_kernels)
     layout: str = "out-major"  # one of LAYOUTS; change it with set_weight_layout
-    # Set by invariant.use_row_invariant: the one product ("flat" or "padded") for every
-    # row count, which measurements and profiles leave alone, and the attention the model
-    # had before (restored by stock_kernels).
+    # Set by invariant.use_row_invariant: what its products are ("flat", "padded", or per
+    # weight shape, e.g. "flat, padded for 576x1536"), each layer's own for every row
+    # count, which measurements and profiles leave alone; and the attention the model had
+    # before (restored by stock_kernels).
     row_invariant: str | None = None
     stock_attention: str | None = None
 
@@ -82,7 +83,7 @@ class KernelPlan:
         if self.disabled:
             return "plain"
         if self.row_invariant is not None:
-            return self.row_invariant
+            return INVARIANT
         if not 1 <= rows <= MAX_ROWS:
             return "plain"
         return self.by_rows.get(rows, "plain" if rows == 1 else "head")
@@ -116,25 +117,40 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+INVARIANT = "invariant"  # the strategy of every row count under a row-invariant plan
+
+
 class TunedLinear(nn.Linear):
     """nn.Linear that follows its model's KernelPlan for inference on a few rows."""
 
     kernel_plan: KernelPlan
     is_head: bool
+    # Set by invariant.use_row_invariant: this weight's row-invariant product, "flat" or
+    # "padded", probed for its shape (invariant_linear).
+    invariant_product: str = "flat"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() else 0
         training = torch.is_grad_enabled() and self.weight.requires_grad
         if not training and x.device.type == "cpu":
             strategy = self.kernel_plan.strategy(rows)
-            if strategy == "flat":  # F.linear on 2-D rows, as invariant.py probed it
-                out = F.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
-                return out.reshape(*x.shape[:-1], out.shape[-1])
-            if strategy == "padded":
-                return padded_linear(x, self.weight, self.bias)
+            if strategy == INVARIANT:
+                return invariant_linear(x, self.weight, self.bias, self.invariant_product)
             if strategy in ("all", "even") or (strategy == "head" and self.is_head):
                 return transposed_linear(x, self.weight, self.bias, even=strategy == "even")
         return F.linear(x, self.weight, self.bias)
+
+
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, product: str
+) -> torch.Tensor:
+    """x @ W^T + b by one of the row-invariant products (TunedLinear.invariant_product):
+    F.linear on 2-D rows ("flat"; some BLAS builds take another kernel for a 3-D input of
+    one row than of several) or padded 16-row blocks ("padded")."""
+    if product == "padded":
+        return padded_linear(x, weight, bias)
+    out = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def use_tuned_linear(model: nn.Module) -> KernelPlan:

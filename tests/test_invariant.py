@@ -23,7 +23,14 @@ from specmtp.invariant import (
     rows_invariant,
     use_row_invariant,
 )
-from specmtp.kernels import apply_kernel_plan, kernel_plan, padded_linear, stock_kernels
+from specmtp.kernels import (
+    INVARIANT,
+    TunedLinear,
+    apply_kernel_plan,
+    kernel_plan,
+    padded_linear,
+    stock_kernels,
+)
 from specmtp.models import load_model
 from specmtp.tree import TokenTree, tree_forward
 
@@ -58,7 +65,11 @@ def test_the_loaded_bf16_model_is_row_invariant_and_float32_is_left_alone(
     bf16_runner: CachedModel, tiny_target: Path
 ) -> None:
     assert bf16_runner.model.config._attn_implementation == ATTENTION
-    assert kernel_plan(bf16_runner.model).row_invariant in ("flat", "padded")
+    products = {
+        m.invariant_product for m in bf16_runner.model.modules() if isinstance(m, TunedLinear)
+    }
+    assert products and products <= {"flat", "padded"}
+    assert kernel_plan(bf16_runner.model).row_invariant.split(",")[0] in products
     plain = load_model(str(tiny_target)).model
     assert plain.config._attn_implementation != ATTENTION
     assert kernel_plan(plain).row_invariant is None
@@ -167,24 +178,50 @@ def test_padded_products_equal_plain_ones_and_are_row_invariant() -> None:
     for rows in (1, 5, 16, 17, 40):
         x = torch.randn(2, rows, 40, generator=generator)
         torch.testing.assert_close(padded_linear(x, weight, bias), F.linear(x, weight, bias))
-    assert rows_invariant(weight.bfloat16(), padded=True)
+    assert rows_invariant(weight.bfloat16(), product="padded")
 
 
 def test_a_machine_without_row_invariant_products_pads_or_is_refused(
     tiny_target: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = load_model(str(tiny_target)).model  # float32: not yet row-invariant
-    monkeypatch.setattr(invariant, "rows_invariant", lambda w, *, padded: padded)
+    monkeypatch.setattr(invariant, "rows_invariant", lambda w, *, product: product == "padded")
     assert use_row_invariant(model) == "padded"
-    assert kernel_plan(model).strategy(1) == kernel_plan(model).strategy(40) == "padded"
-    monkeypatch.setattr(invariant, "rows_invariant", lambda w, *, padded: False)
+    assert kernel_plan(model).strategy(1) == kernel_plan(model).strategy(40) == INVARIANT
+    assert {m.invariant_product for m in model.modules() if isinstance(m, TunedLinear)} == {
+        "padded"
+    }
+    monkeypatch.setattr(invariant, "rows_invariant", lambda w, *, product: False)
     with pytest.raises(SpecMTPError, match="use float32"):
         use_row_invariant(load_model(str(tiny_target)).model)
     # Products that pass their probe, in a model whose forwards still disagree.
-    monkeypatch.setattr(invariant, "rows_invariant", lambda w, *, padded: True)
+    monkeypatch.setattr(invariant, "rows_invariant", lambda w, *, product: True)
     monkeypatch.setattr(invariant, "forwards_agree", lambda model: False)
     with pytest.raises(SpecMTPError, match="cannot be made exact here"):
         use_row_invariant(load_model(str(tiny_target)).model)
+
+
+def test_only_the_weight_shapes_that_fail_their_probe_are_padded(
+    tiny_target: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A BLAS whose one-call products vary with the row count for one weight shape only
+    (as bfloat16's 576 x 1536 down projection on an AMD EPYC): that shape pads, the others
+    keep F.linear, and the model, made bfloat16, still decodes exactly."""
+    model = load_model(str(tiny_target)).model.bfloat16()
+    down = model.get_decoder().layers[0].mlp.down_proj.weight.shape
+    probe = invariant.rows_invariant
+    monkeypatch.setattr(
+        invariant,
+        "rows_invariant",
+        lambda w, *, product: probe(w, product=product) and (w.shape != down or product != "flat"),
+    )
+    kinds = use_row_invariant(model)
+    assert kinds == f"flat, padded for {down[0]}x{down[1]}"
+    for module in model.modules():
+        if isinstance(module, TunedLinear):
+            expected = "padded" if module.weight.shape == down else "flat"
+            assert module.invariant_product == expected
+    assert forwards_agree(model, rows=6)
 
 
 def test_the_end_to_end_check_sees_a_row_count_dependence(bf16_runner: CachedModel) -> None:
@@ -206,12 +243,12 @@ def test_profiles_and_stock_runs_leave_the_invariant_kernels_alone(
     plan = kernel_plan(model)
     kind = plan.row_invariant
     apply_kernel_plan(model, {"2": "all"}, "in-major")  # a float32 profile's plan
-    assert (plan.row_invariant, plan.layout, plan.strategy(2)) == (kind, "out-major", kind)
+    assert (plan.row_invariant, plan.layout, plan.strategy(2)) == (kind, "out-major", INVARIANT)
     with stock_kernels(model):  # how Hugging Face's generate runs the model
         assert model.config._attn_implementation == "sdpa"
         assert plan.strategy(2) == "plain"
     assert model.config._attn_implementation == ATTENTION
-    assert plan.strategy(2) == kind
+    assert plan.strategy(2) == INVARIANT
 
 
 def test_attention_features_the_loop_does_not_apply_are_refused() -> None:
