@@ -11,6 +11,9 @@ A method is named by a spec:
   N drafts per round; `@default` runs HF's own defaults instead (draft length, schedule and
   the confidence threshold that stops drafting early), as a user who sets nothing gets.
 - `hf-prompt-lookup[:N][@N]`: transformers' prompt lookup (longest n-gram N).
+- `hf-plain`: transformers' plain `generate()`, the decoding a user without speculation
+  runs: stock kernels and attention in the run's dtype. In half precision our `ar` is
+  row-invariant (exact, slower per step); this row shows what that costs, in the same run.
 Hugging Face's methods run with stock kernels (F.linear), as its users run them; ours use
 the measured kernel plan unless --plain-kernels.
 """
@@ -33,6 +36,7 @@ from specmtp.stats import GenerationStats, resident_bytes
 
 HF_PREFIX = "hf-"
 HF_DEFAULTS = "default"  # hf-assisted:MODEL@default: transformers' own assisted settings
+HF_PLAIN = "hf-plain"
 
 
 class Runner(Protocol):
@@ -106,6 +110,13 @@ def build_runner(
 ) -> Runner:
     """The one place a method spec becomes a runner."""
     name, _, gamma = spec.partition("@")
+    if name.startswith(HF_PLAIN):
+        if spec != HF_PLAIN:
+            raise SpecMTPError(f"bad {spec!r}: {HF_PLAIN} drafts nothing, so takes no model or γ")
+        plain = HFGenerator(
+            target.model, settings=HFSettings("plain"), eos_token_ids=eos_token_ids(target)
+        )
+        return HFRunner(plain, "plain")
     gamma = gamma or default_gamma or str(base.gamma)
     if spec == BASELINE:
         runner = SpecRunner(SpecGenerator(target), {})
@@ -167,5 +178,5 @@ def _hf_runner(name: str, gamma: str, target: LoadedModel) -> HFRunner:
         return HFRunner(HFGenerator(target.model, settings=settings, eos_token_ids=eos),
                         f"fixed:{gamma}")  # fmt: skip
     raise SpecMTPError(
-        f"unknown Hugging Face method {name!r}: hf-assisted:MODEL or hf-prompt-lookup"
+        f"unknown Hugging Face method {name!r}: hf-assisted:MODEL, hf-prompt-lookup or hf-plain"
     )

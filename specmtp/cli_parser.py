@@ -164,7 +164,8 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
         default=[],
         metavar="SPEC",
         help="a method to compare with plain decoding (repeatable): DRAFT[@GAMMA] with GAMMA "
-        "N, auto, best, hf or guard:N; hf-assisted:MODEL[@N]; hf-prompt-lookup[:N][@N]",
+        "N, auto, best, hf or guard:N; hf-assisted:MODEL[@N]; hf-prompt-lookup[:N][@N]; "
+        "hf-plain (Hugging Face's plain generate, stock kernels)",
     )
     _add_generation_flags(bench)
     bench.add_argument("--limit", type=int, help="use only the first N prompts of each file")

@@ -41,7 +41,9 @@ SCHEDULES = {
     "ngram@auto": "adaptive",
     "ngram@guard:2": "guarded:2",
     "hf-prompt-lookup": "fixed:4",
+    "hf-plain": "plain",
 }
+HF = ["hf-prompt-lookup", "hf-plain"]  # Hugging Face's own generate(), stock kernels
 PROGRESS = ("loading target ", "preparing ", "kernel plan ", "warming up ")
 FAST = ["--max-new-tokens", str(NEW_TOKENS), "--warmup", "0", "--threads", "1"]
 
@@ -70,8 +72,9 @@ def questions(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def greedy(questions: Path) -> tuple[str, str, dict[str, Any]]:
-    """Greedy bench: 3 questions and a random prompt; 4 of our schedules and HF's lookup."""
-    drafts = [flag for spec in [*OURS, "hf-prompt-lookup"] for flag in ("--draft", spec)]
+    """Greedy bench: 3 questions and a random prompt; 4 of our schedules, HF's lookup and
+    HF's plain generate."""
+    drafts = [flag for spec in [*OURS, *HF] for flag in ("--draft", spec)]
     code, out, err = run_captured(
         "bench", "--prompts", str(questions), "--prompts", "random:1x12", *drafts, *FAST
     )
@@ -98,7 +101,7 @@ def test_table_first_json_last(greedy: tuple[str, str, dict[str, Any]]) -> None:
     out, err, report = greedy
     lines = out.strip().splitlines()
     assert lines[0].split()[:3] == ["method", "latency", "s"]
-    assert [line.split()[0] for line in lines[2:-1]] == ["ar", *OURS, "hf-prompt-lookup"]
+    assert [line.split()[0] for line in lines[2:-1]] == ["ar", *OURS, *HF]
     assert set(report) == {
         "methods", "by_temperature", "context_sweep", "gamma_sweep", "cost_model", "config",
         "plain_step",
@@ -106,11 +109,12 @@ def test_table_first_json_last(greedy: tuple[str, str, dict[str, Any]]) -> None:
     # progress goes to stderr: [i/n] GROUP QUESTION_ID METHOD: ...
     assert f"[3/4] {SUITE}/coding 3 ngram@auto: {NEW_TOKENS} tokens in " in err
     assert "[4/4] random 1 hf-prompt-lookup: " in err
+    assert "[4/4] random 1 hf-plain: " in err
 
 
 def test_every_method_is_lossless(greedy: tuple[str, str, dict[str, Any]]) -> None:
     methods = greedy[2]["methods"]
-    assert list(methods) == ["ar", *OURS, "hf-prompt-lookup"]
+    assert list(methods) == ["ar", *OURS, *HF]
     ar = methods["ar"]
     assert ar["speedup"] == 1.0 and ar["mean_accepted_tokens"] == 1.0
     for name, m in methods.items():
@@ -135,9 +139,9 @@ def test_cost_model_prediction_for_ours_only(greedy: tuple[str, str, dict[str, A
     ar_rounds = sum(methods["ar"]["requested_gammas"].values())
     assert ar_rounds == methods["ar"]["new_tokens"]
     assert methods["ar"]["predicted_speedup"] == 1.0
-    hf = methods["hf-prompt-lookup"]
-    assert hf["predicted_speedup"] is None and hf["efficiency"] is None
-    assert hf["mean_accepted_tokens"] is None and hf["acceptance_per_position"] == []
+    for hf in (methods[name] for name in HF):
+        assert hf["predicted_speedup"] is None and hf["efficiency"] is None
+        assert hf["mean_accepted_tokens"] is None and hf["acceptance_per_position"] == []
     assert set(report["cost_model"]["verify_s"]) >= {"1", "2"}
     assert all(t > 0 for t in report["cost_model"]["verify_s"].values())
     # T(1) as timed, against ar's own steps: its forward time over its rounds.
@@ -153,7 +157,8 @@ def test_latency_and_memory(greedy: tuple[str, str, dict[str, Any]]) -> None:
         assert m["peak_rss_bytes"] > 0, name
     for name in ["ar", *OURS]:
         assert greedy[2]["methods"][name]["kv_cache_bytes"] > 0, name
-    assert greedy[2]["methods"]["hf-prompt-lookup"]["kv_cache_bytes"] is None  # not ours to see
+    for name in HF:
+        assert greedy[2]["methods"][name]["kv_cache_bytes"] is None  # not ours to see
 
 
 def test_per_group(greedy: tuple[str, str, dict[str, Any]]) -> None:
@@ -179,12 +184,12 @@ def test_schedules_and_requested_gammas(greedy: tuple[str, str, dict[str, Any]])
     assert max(asked["ngram@auto"]) <= AUTO_MAX_GAMMA  # no profile: the default largest γ
     assert len(methods["ngram@auto"]["acceptance_per_position"]) == AUTO_MAX_GAMMA
     assert len(methods["ngram"]["acceptance_per_position"]) == 4
-    assert asked["hf-prompt-lookup"] == {}
+    assert asked["hf-prompt-lookup"] == asked["hf-plain"] == {}
 
 
 def test_config(greedy: tuple[str, str, dict[str, Any]], questions: Path) -> None:
     config = greedy[2]["config"]
-    assert config["drafts"] == [*OURS, "hf-prompt-lookup"]
+    assert config["drafts"] == [*OURS, *HF]
     assert config["prompts"] == [str(questions), "random:1x12"]
     assert config["num_prompts"] == 4
     assert config["max_new_tokens"] == NEW_TOKENS
@@ -291,6 +296,8 @@ def test_bad_prompt_files(
         (["--draft", "hf-prompt-lookup:x"], "bad 'hf-prompt-lookup:x'"),
         (["--draft", "hf-prompt-lookup@auto"], "fixed γ >= 1"),
         (["--draft", "hf-beam"], "unknown hugging face method"),
+        (["--draft", "hf-plain@3"], "hf-plain drafts nothing"),
+        (["--draft", "hf-plain:x"], "hf-plain drafts nothing"),
         (["--draft", "ngram@zz"], "gamma must be a number, N/M, auto, best, hf or guard:N"),
         (["--draft", "ngram@guard:auto"], "gamma must be a number, N/M, auto, best, hf or"),
         (["--draft", "ngram@guard:0"], "gamma must be >= 1"),
