@@ -55,8 +55,9 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         choices=list(DTYPES),
         default="float32",
         help="weights and activations of target and draft (default %(default)s). bfloat16 "
-        "is faster on CPUs with AVX512-BF16 or AMX; its forwards are made row-invariant "
-        "(specmtp.invariant), so greedy speculative output stays identical to plain decoding",
+        "verifies several tokens for little more than one on CPUs with AVX512-BF16 or AMX "
+        "(measure both: `bench`); its forwards are made row-invariant (specmtp.invariant), "
+        "so greedy speculative output stays identical to plain decoding",
     )
     parser.add_argument(
         "--threads",

@@ -91,10 +91,10 @@ class _Source:
     local: bool
 
 
-# --dtype names. float32 is the reference. bfloat16 runs faster on CPUs with AVX512-BF16 or
-# AMX, but its rounding depends on how many tokens a forward holds: a verify pass over k+1
-# tokens can flip a near-tied argmax that one-token steps would not, so greedy SD output can
-# differ from plain bfloat16 decoding (the bench counts it as greedy_mismatches).
+# --dtype names. float32 is the reference. bfloat16's products are cheap for several rows on
+# CPUs with AVX512-BF16 or AMX, but its rounding depends on how many tokens a forward holds:
+# a verify pass over k+1 tokens could flip a near-tied argmax that one-token steps would
+# not, so half-precision models are made row-invariant at load (invariant.py).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
