@@ -109,21 +109,14 @@ def build_runner(
     spec: str, target: LoadedModel, base: GenerationConfig, default_gamma: str | None = None
 ) -> Runner:
     """The one place a method spec becomes a runner."""
-    name, _, gamma = spec.partition("@")
-    if name.startswith(HF_PLAIN):
-        if spec != HF_PLAIN:
-            raise SpecMTPError(f"bad {spec!r}: {HF_PLAIN} drafts nothing, so takes no model or γ")
-        plain = HFGenerator(
-            target.model, settings=HFSettings("plain"), eos_token_ids=eos_token_ids(target)
-        )
-        return HFRunner(plain, "plain")
-    gamma = gamma or default_gamma or str(base.gamma)
+    name, _, asked = spec.partition("@")
+    gamma = asked or default_gamma or str(base.gamma)
     if spec == BASELINE:
         runner = SpecRunner(SpecGenerator(target), {})
         runner.schedule = "plain"
         return runner
     if name.startswith(HF_PREFIX):
-        return _hf_runner(name, gamma, target)
+        return _hf_runner(name, gamma, target, gamma_given=bool(asked))
     dtype = dtype_name(target.model.dtype)
     profile = find_profile(target.spec, name, dtype=dtype) if gamma in ("auto", "best") else None
     settings = gamma_settings(gamma, profile)
@@ -147,9 +140,14 @@ def verify_rows(runners: dict[str, Runner], config: GenerationConfig) -> int:
     return rows
 
 
-def _hf_runner(name: str, gamma: str, target: LoadedModel) -> HFRunner:
+def _hf_runner(name: str, gamma: str, target: LoadedModel, *, gamma_given: bool) -> HFRunner:
     method, _, argument = name.partition(":")
     eos = eos_token_ids(target)
+    if method == HF_PLAIN:
+        if argument or gamma_given:
+            raise SpecMTPError(f"bad {name!r}: {HF_PLAIN} drafts nothing, so takes no model or γ")
+        return HFRunner(HFGenerator(target.model, settings=HFSettings("plain"),
+                                    eos_token_ids=eos), "plain")  # fmt: skip
     if method == "hf-assisted" and gamma == HF_DEFAULTS:
         settings = hf_default_assisted()
         schedule = f"hf-default:{settings.num_tokens},{settings.confidence_threshold}"

@@ -25,10 +25,11 @@ holds:
   another kernel for a 3-D input of one row than of several). A shape that fails runs on
   blocks of exactly PAD_ROWS rows (zero-padded, "padded"), so a row's bits never depend
   on the others. Shapes are probed one by one because padding costs: a padded product
-  costs what 16 rows do, about 2.7 one-row products in bfloat16 on an AMD EPYC, where of
+  costs what 16 rows do, about 2.5 one-row products in bfloat16 on an AMD EPYC, where of
   the default model's five weight shapes only the 576 x 1536 down projection fails
-  (smaller blocks of it fail too: which rows of a call differ from their one-row bits
-  depends on the data). None passing, the model is refused.
+  (smaller blocks of it would fail too: the call size at which a row first loses its
+  one-row bits depends on the data; scripts/product_probe.py). None passing, the model is
+  refused.
 
 Everything else in a decoder layer (norms, rotary embeddings, activations) works row by row.
 Whatever the parts promise, `forwards_agree` checks the whole model at load.
@@ -239,7 +240,7 @@ def describe_products(products: dict[Shape, str]) -> str:
         for (shape, _), kind in products.items()
         if kind != common
     ]
-    return ", ".join([str(common), *others])
+    return ", ".join([common, *others])
 
 
 @torch.inference_mode()
