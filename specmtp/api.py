@@ -15,7 +15,7 @@ from specmtp.drafters import Drafter
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import apply_kernel_plan
 from specmtp.models import LoadedModel, load_model
-from specmtp.mtp_drafter import MTPDrafter
+from specmtp.mtp_drafter import MTPDrafter, dynamic_tree_heads
 from specmtp.profile import Profile, check_profile_weights, weights_fingerprint
 from specmtp.stats import GenerationStats
 from specmtp.timings import TimingStore
@@ -38,7 +38,10 @@ def weights_fingerprints(target: LoadedModel, drafter: Drafter | None) -> dict[s
 
 
 def use_profile_tree(profile: Profile, drafter: Drafter | None) -> None:
-    """A tree drafter drafts with the tree its profile's budget sweep chose, if any."""
+    """A tree drafter drafts with the tree its profile's budget sweep chose, if any; a
+    dynamic tree with the node count its profile's node sweep chose."""
+    if profile.nodes is not None:
+        use_profile_nodes(profile, drafter)
     tree = profile.token_tree()
     if tree is None:
         return
@@ -51,6 +54,23 @@ def use_profile_tree(profile: Profile, drafter: Drafter | None) -> None:
             f"the profile's tree is {tree.max_depth} deep but the heads predict {drafter.max_depth}"
         )
     drafter.tree = tree
+
+
+def use_profile_nodes(profile: Profile, drafter: Drafter | None) -> None:
+    """`#nodes=auto` takes the profile's node count; a fixed `#nodes=N` must be that count
+    (a profile given by path may have been tuned for another)."""
+    heads = dynamic_tree_heads(drafter)
+    if heads is None:
+        raise SpecMTPError(
+            f"profile for {profile.draft!r} holds a node count, but this draft has no dynamic tree"
+        )
+    if heads.tuned_nodes:
+        heads.nodes = profile.nodes
+    elif heads.nodes != profile.nodes:
+        raise SpecMTPError(
+            f"profile for {profile.draft!r} was tuned at {profile.nodes} nodes, "
+            f"this draft verifies {heads.nodes}"
+        )
 
 
 class SpecGenerator:
@@ -76,6 +96,8 @@ class SpecGenerator:
             meta = profile.meta
             apply_kernel_plan(self.target.model, meta.get("kernel_plan"), meta.get("kernel_layout"))
             use_profile_tree(profile, drafter)
+        if (heads := dynamic_tree_heads(drafter)) is not None:
+            heads.check_nodes_known()  # `#nodes=auto` without a profile: fail before any work
         tokenizer = self.target.tokenizer
         self.decoder = SpecDecoder(
             self.target.model,

@@ -32,6 +32,7 @@ from specmtp.hf_baselines import HFGenerator, HFRun, HFSettings, hf_default_assi
 from specmtp.kernels import stock_kernels
 from specmtp.models import LoadedModel, dtype_name, load_model
 from specmtp.profile import Profile, find_profile
+from specmtp.specs import TUNED_NODES
 from specmtp.stats import GenerationStats, resident_bytes
 
 HF_PREFIX = "hf-"
@@ -118,7 +119,8 @@ def build_runner(
     if name.startswith(HF_PREFIX):
         return _hf_runner(name, gamma, target, gamma_given=bool(asked))
     dtype = dtype_name(target.model.dtype)
-    profile = find_profile(target.spec, name, dtype=dtype) if gamma in ("auto", "best") else None
+    tuned = gamma in ("auto", "best") or TUNED_NODES in name  # `#nodes=auto`: its node count
+    profile = find_profile(target.spec, name, dtype=dtype) if tuned else None
     settings = gamma_settings(gamma, profile)
     replace(base, **settings)  # a bad γ fails now, not after the baseline has run
     generator = SpecGenerator(target, draft=name, profile=profile)

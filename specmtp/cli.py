@@ -36,6 +36,7 @@ from specmtp.models import DTYPES, load_model
 from specmtp.plots import plot_tune
 from specmtp.profile import Profile, find_profile, sweep_table
 from specmtp.report import write_report
+from specmtp.specs import TUNED_NODES
 from specmtp.timings import use_stored_kernel_plan
 from specmtp.train import TrainConfig, train_mtp
 from specmtp.tune import TuneConfig, run_tune
@@ -72,8 +73,11 @@ def _profile_for(
     notice: bool = True,
 ) -> Profile | None:
     """The tuning profile that `--gamma auto/best` starts from, if any; with `notice`, a
-    line on stderr when `auto` has none."""
-    if draft is None or (gamma not in ("auto", "best") and path is None):
+    line on stderr when `auto` has none. A `#nodes=auto` draft reads its node count from
+    the profile whatever the γ."""
+    if draft is None or (
+        gamma not in ("auto", "best") and path is None and TUNED_NODES not in draft
+    ):
         return None
     profile = find_profile(target, draft, path, dtype=dtype)
     if profile is None and gamma == "auto" and notice:

@@ -37,9 +37,11 @@ from specmtp.specs import (
     MIN_PROBABILITY,
     OUTPUT_VOCAB,
     TREE_NODES,
+    TUNED_NODES,
     split_count,
     split_heads,
     split_probability,
+    split_tree_nodes,
 )
 from specmtp.tree import TREE_FILE, TokenTree
 from specmtp.vocab import check_tokenizers_agree, usable_vocab_size, vocab_digest
@@ -54,8 +56,9 @@ def build_drafter(
     n-gram N); `mtp` / `mtp:HEADS_DIR` (MTP heads drafting a chain); `mtp-tree`,
     `mtp-tree:HEADS_DIR` (a tree, from the heads' tree.json) or `mtp-tree:TREE.json` (a
     custom tree on the shipped heads), each with `#nodes=N` for a dynamic tree (the tree's N
-    likeliest nodes each round); `general`, `distilled`, `distilled-mtp` (drafts shipped
-    for the default model; `distilled-mtp-ar` drafts with its LM head alone) or
+    likeliest nodes each round) or `#nodes=auto` (N from the tuning profile); `general`,
+    `distilled`, `distilled-mtp` (drafts shipped for the default model; `distilled-mtp-ar`
+    drafts with its LM head alone) or
     `draft:DIR` / `draft-ar:DIR` (one made by `specmtp distill`); `ngram+SPEC` or
     `ngram:N+SPEC` (prompt lookup when the context's last 2..N tokens occurred before, SPEC
     otherwise); `store` / `store:FILE` (retrieval: prompt lookup, then a datastore of the
@@ -86,10 +89,10 @@ def build_drafter(
     if spec == "store" or spec.startswith(("store:", "store+", "store#")):
         return build_store_drafter(spec, target, dtype=dtype)
     spec, heads_dir = split_heads(spec)
-    spec, nodes = split_count(spec, TREE_NODES, f"mtp-tree{TREE_NODES}N")
+    spec, nodes, tuned = split_tree_nodes(spec, f"mtp-tree{TREE_NODES}N (or {TUNED_NODES})")
     spec, output_vocab = split_count(spec, OUTPUT_VOCAB, f"MODEL{OUTPUT_VOCAB}N")
     method, _, argument = spec.partition(":")
-    if nodes is not None and method != "mtp-tree":
+    if (nodes is not None or tuned) and method != "mtp-tree":
         raise SpecMTPError(f"{TREE_NODES}N applies to mtp-tree drafters, not to {spec!r}")
     for option, value in ((OUTPUT_VOCAB + "N", output_vocab), (DRAFT_HEADS + "DIR", heads_dir)):
         if value is not None and (
@@ -100,7 +103,7 @@ def build_drafter(
             )
     if method in ("mtp", "mtp-tree"):
         return build_mtp_drafter(
-            spec, target, tree=method == "mtp-tree", path=argument, nodes=nodes
+            spec, target, tree=method == "mtp-tree", path=argument, nodes=nodes, tuned=tuned
         ), target_vocab
     if method in SHIPPED_DRAFTS or method in ("draft", "draft-ar"):
         return build_small_drafter(spec, target), target_vocab
@@ -273,10 +276,17 @@ def load_small_draft(spec: str, target: LoadedModel) -> DraftLM:
 
 
 def build_mtp_drafter(
-    spec: str, target: LoadedModel, *, tree: bool, path: str, nodes: int | None = None
+    spec: str,
+    target: LoadedModel,
+    *,
+    tree: bool,
+    path: str,
+    nodes: int | None = None,
+    tuned: bool = False,
 ) -> MTPDrafter:
     """MTP heads for `target`: the ones shipped for the default model unless a path is given;
-    with `nodes`, a dynamic tree of that many nodes out of the tree."""
+    with `nodes`, a dynamic tree of that many nodes out of the tree; `tuned`, one whose
+    node count a tuning profile will give (`#nodes=auto`)."""
     heads_dir, tree_file = shipped_heads_dir(), None
     if path.endswith(".json"):
         tree_file = Path(path)
@@ -291,8 +301,10 @@ def build_mtp_drafter(
                 f"the tree is {token_tree.max_depth} deep but the heads predict "
                 f"{heads.config.num_heads} tokens"
             )
-    name = spec if nodes is None else f"{spec}{TREE_NODES}{nodes}"
-    return MTPDrafter(heads, tree=token_tree, nodes=nodes, name=name)
+    name = (
+        f"{spec}{TUNED_NODES}" if tuned else spec if nodes is None else f"{spec}{TREE_NODES}{nodes}"
+    )
+    return MTPDrafter(heads, tree=token_tree, nodes=nodes, tuned_nodes=tuned, name=name)
 
 
 def eos_token_ids(loaded: LoadedModel) -> list[int]:

@@ -33,7 +33,9 @@ class MTPDrafter:
     Tree candidates and sequential drafts are fixed choices (verified with one-hot q);
     a sampled chain from parallel heads carries its q for rejection sampling. With `nodes`,
     each round drafts the whole tree and verifies only its `nodes` likeliest nodes by the
-    heads' own probabilities (a dynamic tree).
+    heads' own probabilities (a dynamic tree). With `tuned_nodes` (`mtp-tree#nodes=auto`)
+    `nodes` is set later, from a tuning profile (`use_profile_nodes`) or by `specmtp tune`
+    sweeping it; drafting before then is an error.
     """
 
     def __init__(
@@ -42,13 +44,15 @@ class MTPDrafter:
         *,
         tree: TokenTree | None = None,
         nodes: int | None = None,
+        tuned_nodes: bool = False,
         name: str = "mtp",
     ) -> None:
-        if nodes is not None and (tree is None or nodes < 1):
+        if (nodes is not None or tuned_nodes) and (tree is None or (nodes or 1) < 1):
             raise SpecMTPError("a dynamic tree needs a tree to draft and nodes >= 1")
         self.heads = heads.eval()
         self.tree = tree
         self.nodes = nodes
+        self.tuned_nodes = tuned_nodes
         self.name = name
         self.needs_target_hidden = True
         self.target_hidden_layers = heads.config.feature_layers
@@ -102,12 +106,21 @@ class MTPDrafter:
         q = logits_to_probs(logits, sampling)  # [B, k, V]: each head's own distribution
         return Proposal(choose(q, sampling, generator), q)
 
+    def check_nodes_known(self) -> None:
+        """`#nodes=auto` drafts only once a profile (or tune) has set the node count."""
+        if self.tuned_nodes and self.nodes is None:
+            raise SpecMTPError(
+                f"{self.name} takes its node count from its tuning profile, and no profile "
+                f"gave one: run `specmtp tune --draft '{self.name}'` first, or give #nodes=N"
+            )
+
     def _head_logits(self, k: int) -> torch.Tensor:
         """Parallel heads' logits over the full vocabulary for depths 1..k: [B, k, V]."""
         logits = self.heads(self.hidden)[:, :k, -1]  # [B, K, 1, V'] -> [B, k, V']
         return self.heads.to_full_logits(logits)
 
     def _tree_proposal(self, context: torch.Tensor, k: int) -> Proposal:
+        self.check_nodes_known()
         tree, candidates, logprob = self._drafted_tree(context, k)
         if self.nodes is not None:  # one tree for the batch: the paths' mean log-probability
             tree = likeliest_subtree({p: float(lp.mean()) for p, lp in logprob.items()}, self.nodes)
@@ -139,6 +152,7 @@ class MTPDrafter:
         every drafted node with its log-probability under the heads (before `nodes` picks),
         a chain's tokens with minus their depth. Empty when the heads have nothing to draft
         from yet."""
+        self.check_nodes_known()
         k = min(k, self.max_depth)
         if self.hidden is None or k == 0:
             return {}
@@ -161,6 +175,16 @@ def drafter_tree(drafter: Drafter | None) -> TokenTree | None:
     if tree is None and isinstance(drafter, LookupFirstDrafter):
         return drafter_tree(drafter.fallback)
     return tree
+
+
+def dynamic_tree_heads(drafter: Drafter | None) -> MTPDrafter | None:
+    """The MTP heads drafting a dynamic tree (`mtp-tree#nodes=N` or `#nodes=auto`) inside a
+    drafter: itself, or a lookup-first or merged drafter's heads; None otherwise."""
+    if isinstance(drafter, LookupFirstDrafter):
+        return dynamic_tree_heads(drafter.fallback)
+    if isinstance(drafter, MTPDrafter) and (drafter.nodes is not None or drafter.tuned_nodes):
+        return drafter
+    return None
 
 
 def drafter_depth(drafter: Drafter | None) -> int | None:

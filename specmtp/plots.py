@@ -215,9 +215,10 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
 def plot_tune(profile: dict[str, Any], path: Path) -> Path:
     """Left: predicted (dashed) and measured (solid) speedup against gamma, the best
     gamma marked; right: the acceptance alpha per draft position that the prediction used.
-    A γ pair profile (lookup-first drafter) plots each arm's γ and α instead."""
+    A γ pair profile (lookup-first drafter) plots each arm's γ and α instead; a tree
+    profile's (static tree budgets or a dynamic tree's node counts) x axis is nodes."""
     fig, (left, right) = _figure(11.0, 4.2, 2)
-    if profile.get("model_gamma") is not None:
+    if profile.get("model_gamma") is not None and profile.get("nodes") is None:
         _plot_pair_tune(profile, left, right)
     else:
         _plot_chain_tune(profile, left, right)
@@ -238,14 +239,19 @@ def _alpha_axes(ax: Axes, title: str) -> None:
 
 def _plot_chain_tune(profile: dict[str, Any], left: Axes, right: Axes) -> None:
     sweep = [as_dict(p) for p in as_list(profile.get("sweep"))]
-    trees = bool(profile.get("tree"))  # a tree profile sweeps budgets (nodes), not γ
+    nodes = num(profile.get("nodes"))  # a dynamic tree's node sweep
+    trees = bool(profile.get("tree")) or nodes is not None  # sweeps nodes, not γ
     xs = [p.get("budget" if trees else "gamma") for p in sweep]
     drawn = False
     for key, style, color in (("predicted", PREDICTED, "C0"), ("measured", MEASURED, "C1")):
         values = [p.get(f"{key}_speedup") for p in sweep]
         drawn |= _line(left, xs, values, color=color, label=key, **style)
     _speedup_vs_gamma_axes(left)
-    if trees:
+    if nodes is not None:
+        left.set(xlabel="tree nodes verified a round")
+        left.set_title("Speedup vs a dynamic tree's nodes")
+        best, label = nodes, "best nodes"
+    elif trees:
         left.set(xlabel="tree nodes (budget)")
         left.set_title("Speedup vs tree budget")
         best, label = len(as_list(profile.get("tree"))), "best tree"

@@ -45,6 +45,9 @@ class Profile:
     # model rounds', and arm_alphas the α per position of each arm (drafters.drafter_arm)
     model_gamma: int | None = None
     arm_alphas: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # A dynamic tree (`mtp-tree#nodes=auto`, alone or after ngram+ / ngram|): the fastest
+    # node count of its sweep (the sweep's rows are node counts, `budget`); None otherwise
+    nodes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.alphas or not all(0.0 <= a <= 1.0 for a in self.alphas):
@@ -62,6 +65,8 @@ class Profile:
         for arm, alphas in self.arm_alphas.items():
             if not all(0.0 <= a <= 1.0 for a in alphas):
                 raise SpecMTPError(f"the {arm} arm's alphas must be in [0, 1]")
+        if self.nodes is not None and not 1 <= self.nodes <= 64:
+            raise SpecMTPError(f"a profile's node count must be in 1..64, got {self.nodes}")
         if self.tree and self.token_tree().max_depth > len(self.alphas):
             raise SpecMTPError("a profile's tree is deeper than its acceptance rates")
 
@@ -86,6 +91,7 @@ class Profile:
             "tree": [list(p) for p in self.tree],
             "model_gamma": self.model_gamma,
             "arm_alphas": {arm: [round(a, 4) for a in v] for arm, v in self.arm_alphas.items()},
+            "nodes": self.nodes,
             "meta": self.meta,
         }
 
@@ -111,6 +117,7 @@ class Profile:
                     str(arm): tuple(float(a) for a in _list(alphas))
                     for arm, alphas in dict(data.get("arm_alphas") or {}).items()
                 },
+                _optional_int(data.get("nodes")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise SpecMTPError(f"{where}: not a specmtp tuning profile ({e})") from None
@@ -144,6 +151,8 @@ def _optional_int(value: Any) -> int | None:
 
 def sweep_table(profile: Profile) -> str:
     trees = bool(profile.tree)  # a tree profile: one row per budget (nodes)
+    if profile.nodes is not None:
+        return _nodes_table(profile)
     if profile.model_gamma is not None:
         return _pair_table(profile)
     head = "nodes  depth" if trees else "  γ"
@@ -161,6 +170,22 @@ def sweep_table(profile: Profile) -> str:
                     f"{[list(p) for p in profile.tree]}; top-1 α by depth: {alphas}")  # fmt: skip
     else:
         rows.append(f"best γ {profile.best_gamma}; α by position: {alphas}")
+    return "\n".join(rows)
+
+
+def _nodes_table(profile: Profile) -> str:
+    """A dynamic tree's node sweep: one row per node count verified a round."""
+    rows = ["nodes  predicted  measured  tokens/s     τ", "-" * 42]
+    for row in profile.sweep:
+        tau = row.get("mean_accepted_tokens")
+        rows.append(
+            f"{row['budget']:>5}  {row['predicted_speedup']:8.2f}x  {row['measured_speedup']:7.2f}x"
+            f"  {row['tokens_per_s']:8.1f}  {'-' if tau is None else f'{tau:4.2f}':>4}"
+        )
+    for arm, alphas in profile.arm_alphas.items():
+        rows.append(f"α by position, {arm} rounds: {' '.join(f'{a:.2f}' for a in alphas)}")
+    rows.append(f"best node count {profile.nodes}; top-1 α by depth: "
+                f"{' '.join(f'{a:.2f}' for a in profile.alphas)}")  # fmt: skip
     return "\n".join(rows)
 
 

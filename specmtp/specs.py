@@ -1,7 +1,8 @@
 """Options a draft spec may carry after its name: `#nodes=N`, `#vocab=N`, `#heads=DIR` and
 `#min-p=P`.
 
-`mtp-tree#nodes=4` verifies a dynamic tree's 4 likeliest nodes a round; `MODEL#vocab=N` cuts a
+`mtp-tree#nodes=4` verifies a dynamic tree's 4 likeliest nodes a round (`#nodes=auto`: as many
+as `specmtp tune` found fastest on this machine, read from its profile); `MODEL#vocab=N` cuts a
 draft model's output matrix to N tokens; `MODEL#heads=DIR` drafts with MTP heads trained on
 that draft model (`specmtp train-mtp --target MODEL`). `#heads=` comes last: its path runs
 to the end of the spec. `store:FILE#min-p=0.5` drafts from a datastore only while its
@@ -13,6 +14,7 @@ from __future__ import annotations
 from specmtp.errors import SpecMTPError
 
 TREE_NODES = "#nodes="
+TUNED_NODES = TREE_NODES + "auto"  # a dynamic tree whose node budget a tuning profile holds
 OUTPUT_VOCAB = "#vocab="
 DRAFT_HEADS = "#heads="
 MIN_PROBABILITY = "#min-p="
@@ -27,6 +29,16 @@ def split_count(spec: str, option: str, usage: str) -> tuple[str, int | None]:
     if not count.isdigit() or int(count) < 1 or not base:
         raise SpecMTPError(f"bad draft spec {spec!r}: use {usage} with N >= 1")
     return base, int(count)
+
+
+def split_tree_nodes(spec: str, usage: str) -> tuple[str, int | None, bool]:
+    """`BASE#nodes=N` -> (BASE, N, False); `BASE#nodes=auto` -> (BASE, None, True): the
+    budget comes from a tuning profile; a spec without the option -> (spec, None, False)."""
+    base, found, rest = spec.partition(TUNED_NODES)
+    if found and not rest and base:
+        return base, None, True
+    base, nodes = split_count(spec, TREE_NODES, usage)
+    return base, nodes, False
 
 
 def split_heads(spec: str) -> tuple[str, str | None]:

@@ -8,7 +8,12 @@ that `--gamma auto` (the adaptive schedule) and `SPEC@best` in the bench start f
 A tree drafter (`mtp-tree`) sweeps tree budgets instead (nodes per tree, `tune_tree.py`),
 and its profile carries the fastest tree. A drafter with arms (`ngram+SPEC`: prompt lookup
 first, the model otherwise) sweeps γ pairs N/M (N for the lookup rounds, M for the model's)
-by coordinate search, and its profile carries the fastest pair and α per arm.
+by coordinate search, and its profile carries the fastest pair and α per arm. A dynamic
+tree whose node count is left to tuning (`mtp-tree#nodes=auto`, alone, after `ngram+` or
+merged after `ngram|`) sweeps that count (`--budgets`) at the default γ (a lookup arm's) and
+the tree's full depth, and its profile carries the fastest count; a dynamic tree with a
+fixed count `#nodes=N` alone is measured at N (an `ngram+` / `ngram|` one sweeps γ pairs).
+One dimension per drafter: the others stay at their defaults.
 """
 
 from __future__ import annotations
@@ -32,16 +37,24 @@ from specmtp.costmodel import (
     fit_draft_cost,
     measure_verify_costs,
 )
-from specmtp.drafters import LOOKUP_ARM, MODEL_ARM, has_arms
+from specmtp.drafter_specs import build_drafter
+from specmtp.drafters import LOOKUP_ARM, MODEL_ARM, Drafter, has_arms
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import MAX_ROWS, measure_kernel_plan
+from specmtp.merged_drafter import MergedDrafter
 from specmtp.models import DTYPES, load_model
-from specmtp.mtp_drafter import drafter_tree
+from specmtp.mtp_drafter import MTPDrafter, drafter_tree, dynamic_tree_heads
 from specmtp.profile import Profile, default_profile_path
 from specmtp.stats import GenerationStats
 from specmtp.train_prompts import load_train_prompts, refuse_evaluation_sets
 from specmtp.tree import TokenTree
-from specmtp.tune_tree import budget_trees, expected_tree_tokens, rank_probabilities, sweep_budgets
+from specmtp.tune_tree import (
+    budget_trees,
+    expected_tree_tokens,
+    rank_probabilities,
+    sweep_budgets,
+    sweep_node_counts,
+)
 
 Log = Callable[[str], None]
 
@@ -292,6 +305,59 @@ def build_tree_profile(
     )  # fmt: skip
 
 
+def build_nodes_profile(
+    config: TuneConfig,
+    runs: dict[int, list[GenerationStats]],
+    verify_s: tuple[float, ...],
+    *,
+    depth: int,
+    lookup_gamma: int | None,
+) -> Profile:
+    """The profile of a dynamic tree's node sweep: per node count, predicted and measured
+    speedup and τ; the fastest measured count becomes the profile's `nodes`. The prediction
+    takes each count's measured τ (a dynamic tree has no fixed shape to expect from) over
+    the round time the cost model gives. With a lookup arm (`lookup_gamma`), the draft cost
+    model is the model arm's, as in a γ pair profile, and α per arm is pooled over every
+    count; α per depth is the top-ranked child's acceptance at the fastest count (alone) or
+    pooled over its rounds."""
+    drafting = {n: rs for n, rs in runs.items() if n > 0}
+    if lookup_gamma is None:
+        samples = [(depth, s.draft_s / s.rounds) for rs in drafting.values() for s in rs
+                   if s.rounds]  # fmt: skip
+    else:
+        samples = [(depth, s.arm_draft_s[MODEL_ARM] / s.arm_counts[MODEL_ARM][0])
+                   for rs in drafting.values() for s in rs
+                   if s.arm_counts.get(MODEL_ARM, [0])[0]]  # fmt: skip
+    cost = CostModel(verify_s, *fit_draft_cost(samples))
+    plain = _tokens_per_s(runs[0])
+    sweep = [_sweep_row(runs[0], plain, 1.0, gamma=0, budget=0)]
+    for count, rs in drafting.items():
+        rounds = sum(s.rounds for s in rs)
+        tau = sum(s.accepted_tokens + s.rounds for s in rs) / rounds if rounds else 1.0
+        row = _sweep_row(rs, plain, predicted_speedup(cost, tau, rs) if rounds else 0.0,
+                         gamma=lookup_gamma or depth, budget=count)  # fmt: skip
+        if lookup_gamma is not None:
+            row["model_gamma"] = depth
+        sweep.append(row)
+    best = max(sweep[1:], key=lambda row: row["measured_speedup"])
+    fastest = runs[int(best["budget"])]
+    every = [s for rs in drafting.values() for s in rs]  # α per arm: the arms' own rounds
+    width = max(depth, lookup_gamma or 0, config.max_gamma if lookup_gamma else 0)
+    if lookup_gamma is None:
+        tops = [row[0] if row else 0.0 for row in rank_probabilities(fastest)]
+        alphas = tuple(tops[:width]) + (0.0,) * max(0, width - len(tops))
+    else:
+        alphas = pooled_alphas(fastest, width)
+    meta = _meta(config, len(runs[0]))
+    meta["node_sweep"] = {"depth": depth, "lookup_gamma": lookup_gamma}
+    return Profile(
+        config.target, config.draft, cost, alphas, lookup_gamma or depth, tuple(sweep), meta,
+        model_gamma=None if lookup_gamma is None else depth,
+        arm_alphas={} if lookup_gamma is None else arm_alphas(every, width),
+        nodes=int(best["budget"]),
+    )  # fmt: skip
+
+
 def _sweep_row(
     runs: Sequence[GenerationStats], plain: float, predicted: float, **point: int
 ) -> dict[str, Any]:
@@ -324,7 +390,12 @@ def run_tune(config: TuneConfig, *, log: Log) -> Profile:
     texts = load_train_prompts(config.prompts, seed=config.seed)[: config.limit]
     log(f"loading target {config.target} and draft {config.draft}")
     target = load_model(config.target, dtype=DTYPES[config.dtype])
-    plain, spec = SpecGenerator(target), SpecGenerator(target, draft=config.draft)
+    drafter, _ = build_drafter(config.draft, target, dtype=target.model.dtype)
+    heads = dynamic_tree_heads(drafter)
+    counts = node_counts(heads, drafter, config, log)
+    if heads is not None and counts:
+        heads.nodes = max(counts)  # the warm-up and kernel plan below, then the sweep's own
+    plain, spec = SpecGenerator(target), SpecGenerator(target, draft=drafter)
     prompt_ids = [plain.encode(text, chat=True) for text in texts]
     tree = getattr(spec.decoder.drafter, "tree", None)  # a tree drafter: budgets to sweep
     # The verify passes to come, as decode_schedules.verify_rows counts them: any tree (a
@@ -336,7 +407,24 @@ def run_tune(config: TuneConfig, *, log: Log) -> Profile:
     warmup = replace(_generation(config, config.max_gamma), max_new_tokens=8)
     for gen in (plain, spec):
         gen.decoder.generate(prompt_ids[0], warmup)
-    if has_arms(spec.decoder.drafter):
+    if heads is not None and counts:
+        assert heads.tree is not None  # a dynamic tree drafts from one
+        depth = heads.tree.max_depth
+        lookup = min(GenerationConfig().gamma, config.max_gamma) if has_arms(drafter) else None
+        settings = (
+            _generation(config, depth)
+            if lookup is None
+            else _pair_generation(config, (lookup, depth))
+        )
+
+        def run_count(gen: SpecGenerator, ids: list[int]) -> GenerationStats:
+            return _run(gen, ids, _generation(config, 1) if gen is plain else settings)
+
+        runs = sweep_node_counts(plain, spec, prompt_ids, heads, counts, run_count, log)
+        verify_s = _verify_costs(spec, prompt_ids, runs, config, log)
+        profile = build_nodes_profile(config, runs, verify_s, depth=depth, lookup_gamma=lookup)
+        heads.nodes = profile.nodes
+    elif has_arms(spec.decoder.drafter):
         pairs = sweep_pair_runs(plain, spec, prompt_ids, config, log)
         verify_s = _verify_costs(spec, prompt_ids, pairs, config, log)
         profile = build_pair_profile(config, pairs, verify_s)
@@ -369,6 +457,28 @@ def run_tune(config: TuneConfig, *, log: Log) -> Profile:
     profile.meta["weights"] = weights_fingerprints(target, spec.decoder.drafter)
     profile.save(config.profile_path)
     return profile
+
+
+def node_counts(
+    heads: MTPDrafter | None, drafter: Drafter | None, config: TuneConfig, log: Log
+) -> tuple[int, ...]:
+    """The node counts a dynamic tree's sweep runs: `--budgets` for `#nodes=auto` (none
+    beyond the heads' tree alone, which could verify no more; a merged drafter's copied
+    nodes come on top of it), the fixed count for `mtp-tree#nodes=N` alone; () when the
+    drafter is swept otherwise (no dynamic tree, or a fixed count with a lookup arm)."""
+    if heads is None or (not heads.tuned_nodes and has_arms(drafter)):
+        return ()
+    if not heads.tuned_nodes:
+        assert heads.nodes is not None
+        log(f"{config.draft} verifies {heads.nodes} nodes a round: measuring that count "
+            f"(#nodes=auto sweeps --budgets)")  # fmt: skip
+        return (heads.nodes,)
+    assert heads.tree is not None
+    most = 64 if isinstance(drafter, MergedDrafter) else heads.tree.num_nodes
+    counts = tuple(sorted({b for b in config.budgets if b <= most})) or (most,)
+    if dropped := sorted(b for b in config.budgets if b > most):
+        log(f"node counts {dropped} dropped: the heads' tree has {most} nodes")
+    return counts
 
 
 def _verify_costs(
