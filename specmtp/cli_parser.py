@@ -120,7 +120,8 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         help="draft: a model spec as for --target (MODEL#vocab=N: its first N token ids; "
         "MODEL#heads=DIR, last: MTP heads trained on it by train-mtp --answers-from); "
         "ngram[:N] (prompt lookup); mtp, mtp-tree (MTP heads; mtp-tree#nodes=N: the tree's N "
-        "likeliest nodes each round); general, distilled, distilled-mtp (shipped drafts); "
+        "likeliest nodes each round, #nodes=auto: N from its tune profile); general, "
+        "distilled, distilled-mtp (shipped drafts); "
         "ngram[:N]+SPEC (lookup when it finds a match, SPEC otherwise); store[:FILE] "
         "(retrieval from a datastore of the target's answers; #min-p=P; #nodes=N: a tree of its "
         "N likeliest continuations), store[:FILE]+SPEC; ngram[:N]|SPEC, store[:FILE]|SPEC "
@@ -221,7 +222,8 @@ def _add_tune_command(commands: argparse._SubParsersAction) -> None:
     ])  # fmt: skip
     tune.add_argument(
         "--budgets", type=_int_list, default=defaults["budgets"], metavar="N,N,...",
-        help="tree drafters (mtp-tree): tree sizes in nodes to sweep (default "
+        help="tree drafters (mtp-tree): tree sizes in nodes to sweep; for a dynamic tree "
+        "(#nodes=auto) the nodes verified a round (default "
         + ",".join(map(str, defaults["budgets"])) + ")",
     )  # fmt: skip
     tune.add_argument(

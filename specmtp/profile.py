@@ -184,8 +184,9 @@ def _nodes_table(profile: Profile) -> str:
         )
     for arm, alphas in profile.arm_alphas.items():
         rows.append(f"α by position, {arm} rounds: {' '.join(f'{a:.2f}' for a in alphas)}")
-    rows.append(f"best node count {profile.nodes}; top-1 α by depth: "
-                f"{' '.join(f'{a:.2f}' for a in profile.alphas)}")  # fmt: skip
+    which = "every round's α by position" if profile.arm_alphas else "top-1 α by depth"
+    alphas = " ".join(f"{a:.2f}" for a in profile.alphas)
+    rows.append(f"best node count {profile.nodes}; {which}: {alphas}")
     return "\n".join(rows)
 
 
