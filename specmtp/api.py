@@ -109,6 +109,7 @@ class SpecGenerator:
             cost_model=None if profile is None else profile.cost_model,
             prior_alphas=() if profile is None else profile.alphas,
             arm_priors={} if profile is None else profile.arm_alphas,
+            prior_sampling=None if profile is None else profile.sampling(),
             timings=TimingStore.for_model(self.target.model),
             draft_timings=None
             if drafter is None

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors, tensor_bytes
-from specmtp.config import GenerationConfig
+from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.costmodel import CostModel
 from specmtp.decode_schedules import DecodeSchedules
 from specmtp.drafters import (
@@ -64,6 +64,7 @@ class SpecDecoder:
         cost_model: CostModel | None = None,
         prior_alphas: Sequence[float] = (),
         arm_priors: Mapping[str, Sequence[float]] | None = None,
+        prior_sampling: SamplingConfig | None = None,
         timings: TimingStore | None = None,
         draft_timings: TimingStore | None = None,
     ) -> None:
@@ -81,7 +82,7 @@ class SpecDecoder:
         self.schedules = DecodeSchedules(
             self.target, drafter, context_length=context_length, prefill=self._prefill,
             cost_model=cost_model, prior_alphas=prior_alphas, arm_priors=arm_priors,
-            timings=timings, draft_timings=draft_timings,
+            prior_sampling=prior_sampling, timings=timings, draft_timings=draft_timings,
         )  # fmt: skip
 
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> GenerationResult:

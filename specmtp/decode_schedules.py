@@ -51,6 +51,7 @@ class DecodeSchedules:
         cost_model: CostModel | None = None,
         prior_alphas: Sequence[float] = (),
         arm_priors: Mapping[str, Sequence[float]] | None = None,
+        prior_sampling: SamplingConfig | None = None,
         timings: TimingStore | None = None,
         draft_timings: TimingStore | None = None,
     ) -> None:
@@ -68,6 +69,12 @@ class DecodeSchedules:
         self.prior_alphas = tuple(prior_alphas)
         # Per drafter arm (a tuning profile's arm_alphas); other arms start from prior_alphas
         self.arm_priors = {arm: tuple(a) for arm, a in (arm_priors or {}).items()}
+        # The sampling the priors were measured under (a profile's temperature; None: any).
+        # Acceptance falls as the temperature rises: at temperature 1.0 on random tokens a
+        # prior tuned greedy (0.76 at the first position) kept a lookup-first tree drafting
+        # about 10 rounds a sequence with nothing accepted (0.94x). Other sampling starts
+        # from the schedule's neutral prior; the profile's costs hold at any temperature.
+        self.prior_sampling = prior_sampling
         # Per drafter arm: seconds per draft token as greedy runs' schedules learned them
         # (no cost model gave them), at the machine's speed when T(n) was timed. The next
         # sequence starts from it: a drafter too dear to pay is then not tried again on
@@ -138,7 +145,7 @@ class DecodeSchedules:
         schedule = measured(
             cost,
             max_gamma=gamma,
-            prior=self.arm_priors.get(arm, self.prior_alphas),
+            prior=self.prior(config.sampling, arm),
             timing_feedback=config.sampling.greedy,
         )
         if config.sampling.greedy:
@@ -147,6 +154,13 @@ class DecodeSchedules:
             if schedule.learn_draft:
                 schedule.draft_per_token_s = self.learned_draft_s.get(arm, 0.0)
         return schedule
+
+    def prior(self, sampling: SamplingConfig, arm: str) -> tuple[float, ...]:
+        """The α prior of an arm's schedule: the profile's, under the sampling it was tuned
+        with; else none (the schedule's own neutral start)."""
+        if self.prior_sampling is not None and sampling != self.prior_sampling:
+            return ()
+        return self.arm_priors.get(arm, self.prior_alphas)
 
     def learn(self, arm: str, schedule: Schedule) -> None:
         """Keep what a round taught a greedy schedule, for the next sequence to start from."""

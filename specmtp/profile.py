@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from specmtp.config import SamplingConfig
 from specmtp.costmodel import CostModel
 from specmtp.errors import SpecMTPError
 from specmtp.tree import TokenTree
@@ -73,6 +74,10 @@ class Profile:
     def token_tree(self) -> TokenTree | None:
         """The tuned tree, validated; None for a chain profile."""
         return TokenTree(self.tree) if self.tree else None
+
+    def sampling(self) -> SamplingConfig:
+        """The sampling its α was measured under (tune's --temperature; greedy if unsaid)."""
+        return SamplingConfig(temperature=float(self.meta.get("temperature") or 0.0))
 
     @property
     def max_gamma(self) -> int:
@@ -213,10 +218,14 @@ def cache_root() -> Path:
 
 def default_profile_path(target: str, draft: str, dtype: str = "float32") -> Path:
     """Where tune writes, and `--gamma auto` looks, by default: one file per pair and
-    dtype (costs differ by dtype; float32 keeps the plain pair name)."""
+    dtype (costs differ by dtype; float32 keeps the plain pair name). Characters a file
+    name cannot hold become `_`, and then a hash of the exact names keeps pairs apart."""
     root = cache_root()
     names = (target, draft) if dtype == "float32" else (target, draft, dtype)
-    slug = "__".join(re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") for s in names)
+    parts = [re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") for s in names]
+    slug = "__".join(parts)
+    if parts != list(names):  # `ngram+mtp` and `ngram|mtp` must not share a file
+        slug += "-" + hashlib.sha256("\0".join(names).encode()).hexdigest()[:8]
     return root / "profiles" / f"{slug}.json"
 
 

@@ -300,7 +300,10 @@ def test_default_profile_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert default_profile_path("default", "ngram") == tmp_path / "profiles" / "default__ngram.json"
     odd = default_profile_path("/models/my model.gguf", "ngram:2")
     assert odd.parent == tmp_path / "profiles"
-    assert odd.name == "models_my_model.gguf__ngram_2.json"
+    assert odd.name.startswith("models_my_model.gguf__ngram_2-") and odd.suffix == ".json"
+    # specs that differ only in characters a file name cannot hold keep files of their own
+    merged, first = (default_profile_path("default", d) for d in ("ngram|mtp", "ngram+mtp"))
+    assert merged != first and merged.parent == first.parent == tmp_path / "profiles"
     monkeypatch.delenv("SPECMTP_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_profile_path("default", "ngram") == (

@@ -16,7 +16,8 @@ import pytest
 from conftest import run_captured, run_cli
 from test_tune import GENERATE, assert_one_line_error, last_json, write_train_prompts
 
-from specmtp.api import SpecGenerator
+from specmtp.adaptive_schedule import AdaptiveGamma
+from specmtp.api import SpecGenerator, make_config
 from specmtp.drafter_specs import build_drafter
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel
@@ -211,3 +212,20 @@ def test_node_profile_round_trip_and_checks(nodes_profile: Profile) -> None:
     for bad in (0, 65):
         with pytest.raises(SpecMTPError, match=r"node count must be in 1\.\.64"):
             Profile.from_dict({**nodes_profile.to_dict(), "nodes": bad})
+
+
+@pytest.mark.parametrize("tuned_at", [0.0, 1.0])
+def test_alpha_priors_hold_under_the_sampling_they_were_tuned_with(
+    default_model: LoadedModel, nodes_profile: Profile, tuned_at: float
+) -> None:
+    """A profile's α (and α per arm) start the adaptive schedule only at the temperature
+    it was tuned at; its costs hold at any."""
+    profile = replace(nodes_profile, meta={**nodes_profile.meta, "temperature": tuned_at})
+    schedules = SpecGenerator(default_model, draft=DRAFT, profile=profile).decoder.schedules
+    for temperature in (0.0, 0.7, 1.0):
+        config = make_config(gamma=4, model_gamma=3, schedule="adaptive", temperature=temperature)
+        schedule = schedules.for_arm(config, "model", profile.cost_model)
+        assert isinstance(schedule, AdaptiveGamma)
+        prior = list(profile.arm_alphas["model"][: schedule.max_gamma])
+        assert schedule.prior == (prior if temperature == tuned_at else [])
+        assert schedule.cost.verify_s == profile.cost_model.verify_s
