@@ -15,14 +15,6 @@ and on a CPU T(n) grows with n. So, for a tree drafter, tune:
 
 Rank probabilities are measured in step 1 on the same prompts as the sweep (training
 prompts): the prediction is checked against measurement, not against the evaluation sets.
-
-A dynamic tree (`mtp-tree#nodes=auto`, alone, after `ngram+` or merged after `ngram|`) has no
-fixed shape to choose: each round verifies the N likeliest of the nodes the heads drafted.
-Its budget is N itself, and `sweep_node_counts` runs the drafter at each N, with plain
-decoding interleaved per prompt; the profile keeps the fastest measured N (`Profile.nodes`).
-Since the tree changes every round there is no E(tree) to predict from: the prediction for
-an N takes that N's measured tokens per round and checks the cost side (T(n) at the verify
-sizes the rounds used, and the draft time), as the bench's efficiency does.
 """
 
 from __future__ import annotations
@@ -30,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from specmtp.api import SpecGenerator
-from specmtp.mtp_drafter import MTPDrafter
 from specmtp.stats import GenerationStats
 from specmtp.tree import TokenTree, best_tree
 
@@ -108,26 +99,4 @@ def sweep_budgets(
             runs[budget].append(run(spec, ids, tree.max_depth))
         line = " ".join(f"{b}:{r[-1].tokens_per_s:.1f}" for b, r in runs.items())
         log(f"[{i}/{len(prompt_ids)}] tokens/s by tree nodes {line}")
-    return runs
-
-
-def sweep_node_counts(
-    plain: SpecGenerator,
-    spec: SpecGenerator,
-    prompt_ids: Sequence[list[int]],
-    heads: MTPDrafter,
-    counts: Sequence[int],
-    run: Callable[[SpecGenerator, list[int]], GenerationStats],
-    log: Log,
-) -> dict[int, list[GenerationStats]]:
-    """Plain decoding (0 nodes) and the dynamic tree at every node count on every prompt,
-    interleaved; `heads` is the MTP drafter inside `spec`'s drafter whose count is set."""
-    runs: dict[int, list[GenerationStats]] = {0: [], **{n: [] for n in counts}}
-    for i, ids in enumerate(prompt_ids, 1):
-        runs[0].append(run(plain, ids))
-        for count in counts:
-            heads.nodes = count
-            runs[count].append(run(spec, ids))
-        line = " ".join(f"{n}:{r[-1].tokens_per_s:.1f}" for n, r in runs.items())
-        log(f"[{i}/{len(prompt_ids)}] tokens/s by nodes verified a round {line}")
     return runs

@@ -24,7 +24,8 @@ from specmtp.models import LoadedModel
 from specmtp.mtp_drafter import dynamic_tree_heads
 from specmtp.profile import Profile, default_profile_path, sweep_table
 from specmtp.specs import split_tree_nodes
-from specmtp.tune import TuneConfig, node_counts
+from specmtp.tune_nodes import node_counts
+from specmtp.tune_runs import TuneConfig
 
 DRAFT = "ngram+mtp-tree#nodes=auto"
 NEW_TOKENS = 12

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from conftest import run_captured, run_cli
 
-from specmtp import tune
+from specmtp import tune_pairs
 from specmtp.adaptive_schedule import AdaptiveGamma
 from specmtp.api import SpecGenerator, gamma_settings, make_config
 from specmtp.config import GenerationConfig
@@ -202,9 +202,9 @@ def test_the_model_gamma_stops_at_the_heads_depth(monkeypatch: pytest.MonkeyPatc
         for n, m in pairs:  # model γ 2 is the fastest
             runs[n, m] = [GenerationStats(gamma=max(n, m), new_tokens=10, total_s=1 + abs(m - 2))]
 
-    monkeypatch.setattr(tune, "_pair_pass", fake_pass)
+    monkeypatch.setattr(tune_pairs, "_pair_pass", fake_pass)
     heads = SimpleNamespace(max_depth=3)
     spec = SimpleNamespace(decoder=SimpleNamespace(drafter=SimpleNamespace(fallback=heads)))
     config = TuneConfig(prompts=(Path(__file__),), draft="ngram+mtp", max_gamma=6)
-    tune.sweep_pair_runs(None, spec, [], config, print)
+    tune_pairs.sweep_pair_runs(None, spec, [], config, print)
     assert passes == [[(4, 1), (4, 2), (4, 3)], [(1, 2), (2, 2), (3, 2), (5, 2), (6, 2)]]
