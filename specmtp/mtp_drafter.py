@@ -47,7 +47,9 @@ class MTPDrafter:
         tuned_nodes: bool = False,
         name: str = "mtp",
     ) -> None:
-        if (nodes is not None or tuned_nodes) and (tree is None or (nodes or 1) < 1):
+        if (nodes is not None or tuned_nodes) and (
+            tree is None or (nodes is not None and nodes < 1)
+        ):
             raise SpecMTPError("a dynamic tree needs a tree to draft and nodes >= 1")
         self.heads = heads.eval()
         self.tree = tree

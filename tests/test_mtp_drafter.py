@@ -116,7 +116,7 @@ def test_a_dynamic_tree_verifies_its_likeliest_nodes_and_stays_greedy_exact(
 
 def test_a_dynamic_tree_needs_a_tree_and_nodes(target: PreTrainedModel) -> None:
     heads = trained_heads(target, "sequential", steps=0)
-    for kwargs in ({"nodes": 4}, {"tree": TREE, "nodes": 0}):
+    for kwargs in ({"nodes": 4}, {"tree": TREE, "nodes": 0}, {"tuned_nodes": True}):
         with pytest.raises(SpecMTPError, match="dynamic tree"):
             MTPDrafter(heads, **kwargs)  # type: ignore[arg-type]
 
