@@ -17,6 +17,7 @@ from specmtp.kernels import apply_kernel_plan
 from specmtp.models import LoadedModel, load_model
 from specmtp.mtp_drafter import MTPDrafter, dynamic_tree_heads
 from specmtp.profile import Profile, check_profile_weights, weights_fingerprint
+from specmtp.specs import TUNED_NODES
 from specmtp.stats import GenerationStats
 from specmtp.timings import TimingStore
 
@@ -203,6 +204,12 @@ class SpecGenerator:
 
 AUTO_MAX_GAMMA = 8  # the adaptive schedule's largest γ when no profile gives one
 GUARD_PREFIX = "guard:"  # `guard:N`: a fixed γ behind the never-slower guard
+
+
+def reads_profile(draft: str, gamma: str | None) -> bool:
+    """Whether a run of `draft` at `gamma` starts from the pair's tuning profile: `--gamma
+    auto` and `best` do, and a `#nodes=auto` draft always does (its node count is there)."""
+    return gamma in ("auto", "best") or TUNED_NODES in draft
 
 
 def default_gamma(gamma: str | None, *, sampled: bool, drafts: bool) -> str | None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Protocol
 
-from specmtp.api import SpecGenerator, eos_token_ids, gamma_settings
+from specmtp.api import SpecGenerator, eos_token_ids, gamma_settings, reads_profile
 from specmtp.bench_results import BASELINE
 from specmtp.config import GenerationConfig
 from specmtp.drafters import has_arms
@@ -32,7 +32,6 @@ from specmtp.hf_baselines import HFGenerator, HFRun, HFSettings, hf_default_assi
 from specmtp.kernels import stock_kernels
 from specmtp.models import LoadedModel, dtype_name, load_model
 from specmtp.profile import Profile, find_profile
-from specmtp.specs import TUNED_NODES
 from specmtp.stats import GenerationStats, resident_bytes
 
 HF_PREFIX = "hf-"
@@ -119,8 +118,7 @@ def build_runner(
     if name.startswith(HF_PREFIX):
         return _hf_runner(name, gamma, target, gamma_given=bool(asked))
     dtype = dtype_name(target.model.dtype)
-    tuned = gamma in ("auto", "best") or TUNED_NODES in name  # `#nodes=auto`: its node count
-    profile = find_profile(target.spec, name, dtype=dtype) if tuned else None
+    profile = find_profile(target.spec, name, dtype=dtype) if reads_profile(name, gamma) else None
     settings = gamma_settings(gamma, profile)
     replace(base, **settings)  # a bad γ fails now, not after the baseline has run
     generator = SpecGenerator(target, draft=name, profile=profile)

@@ -21,7 +21,13 @@ from typing import Any, TypeVar
 import torch
 from transformers.utils import logging as hf_logging
 
-from specmtp.api import SpecGenerator, default_gamma, gamma_settings, make_config
+from specmtp.api import (
+    SpecGenerator,
+    default_gamma,
+    gamma_settings,
+    make_config,
+    reads_profile,
+)
 from specmtp.bench import BenchConfig, log_to_stderr, run_bench
 from specmtp.cli_parser import build_parser
 from specmtp.cli_values import parse_numbers, parse_size
@@ -36,7 +42,6 @@ from specmtp.models import DTYPES, load_model
 from specmtp.plots import plot_tune
 from specmtp.profile import Profile, find_profile, sweep_table
 from specmtp.report import write_report
-from specmtp.specs import TUNED_NODES
 from specmtp.timings import use_stored_kernel_plan
 from specmtp.train import TrainConfig, train_mtp
 from specmtp.tune import TuneConfig, run_tune
@@ -75,9 +80,7 @@ def _profile_for(
     """The tuning profile that `--gamma auto/best` starts from, if any; with `notice`, a
     line on stderr when `auto` has none. A `#nodes=auto` draft reads its node count from
     the profile whatever the γ."""
-    if draft is None or (
-        gamma not in ("auto", "best") and path is None and TUNED_NODES not in draft
-    ):
+    if draft is None or (path is None and not reads_profile(draft, gamma)):
         return None
     profile = find_profile(target, draft, path, dtype=dtype)
     if profile is None and gamma == "auto" and notice:

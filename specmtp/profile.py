@@ -13,10 +13,10 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -50,6 +50,8 @@ class Profile:
     # node count of its sweep (the sweep's rows are node counts, `budget`); None otherwise
     nodes: int | None = None
 
+    MAX_NODES: ClassVar[int] = 64  # the largest tree budget or node count tune sweeps
+
     def __post_init__(self) -> None:
         if not self.alphas or not all(0.0 <= a <= 1.0 for a in self.alphas):
             raise SpecMTPError("a profile needs acceptance rates alphas in [0, 1]")
@@ -66,8 +68,10 @@ class Profile:
         for arm, alphas in self.arm_alphas.items():
             if not all(0.0 <= a <= 1.0 for a in alphas):
                 raise SpecMTPError(f"the {arm} arm's alphas must be in [0, 1]")
-        if self.nodes is not None and not 1 <= self.nodes <= 64:
-            raise SpecMTPError(f"a profile's node count must be in 1..64, got {self.nodes}")
+        if self.nodes is not None and not 1 <= self.nodes <= self.MAX_NODES:
+            raise SpecMTPError(
+                f"a profile's node count must be in 1..{self.MAX_NODES}, got {self.nodes}"
+            )
         if self.tree and self.token_tree().max_depth > len(self.alphas):
             raise SpecMTPError("a profile's tree is deeper than its acceptance rates")
 
@@ -155,60 +159,51 @@ def _optional_int(value: Any) -> int | None:
 
 
 def sweep_table(profile: Profile) -> str:
-    trees = bool(profile.tree)  # a tree profile: one row per budget (nodes)
-    if profile.nodes is not None:
-        return _nodes_table(profile)
-    if profile.model_gamma is not None:
-        return _pair_table(profile)
-    head = "nodes  depth" if trees else "  γ"
-    rows = [f"{head}  predicted  measured  tokens/s     τ", "-" * (40 + 8 * trees)]
+    """The sweep as `specmtp tune` prints it: one line per point, then the choice."""
+    if profile.nodes is not None:  # a dynamic tree's node counts
+        lines = _sweep_lines(profile, "nodes", lambda row: f"{row['budget']:>5}")
+        which = "every round's α by position" if profile.arm_alphas else "top-1 α by depth"
+        best = f"best node count {profile.nodes}; {which}: {_alphas(profile.alphas)}"
+        return "\n".join([*lines, *_arm_lines(profile), best])
+    if profile.model_gamma is not None:  # γ pairs N/M: lookup rounds' γ over the model rounds'
+        lines = _sweep_lines(
+            profile, "N/M  ", lambda row: f"{row['gamma']}/{row['model_gamma']}".ljust(5)
+        )
+        best = f"best γ pair {profile.best_gamma}/{profile.model_gamma} (lookup/model)"
+        return "\n".join([*lines, *_arm_lines(profile), best])
+    if profile.tree:  # static tree budgets
+        lines = _sweep_lines(
+            profile, "nodes  depth", lambda row: f"{row['budget']:>5}  {row['gamma']:>5}"
+        )
+        paths = [list(p) for p in profile.tree]
+        best = (f"best tree ({len(paths)} nodes, depth {profile.best_gamma}): {paths}; "
+                f"top-1 α by depth: {_alphas(profile.alphas)}")  # fmt: skip
+        return "\n".join([*lines, best])
+    lines = _sweep_lines(profile, "  γ", lambda row: f"{row['gamma']:>3}")
+    return "\n".join(
+        [*lines, f"best γ {profile.best_gamma}; α by position: {_alphas(profile.alphas)}"]
+    )
+
+
+def _sweep_lines(profile: Profile, head: str, point: Callable[[dict[str, Any]], str]) -> list[str]:
+    """The header and one line per sweep point, `point` giving its first column(s)."""
+    header = f"{head}  predicted  measured  tokens/s     τ"
+    lines = [header, "-" * len(header)]
     for row in profile.sweep:
         tau = row.get("mean_accepted_tokens")
-        first = f"{row['budget']:>5}  {row['gamma']:>5}" if trees else f"{row['gamma']:>3}"
-        rows.append(
-            f"{first}  {row['predicted_speedup']:8.2f}x  {row['measured_speedup']:7.2f}x"
+        lines.append(
+            f"{point(row)}  {row['predicted_speedup']:8.2f}x  {row['measured_speedup']:7.2f}x"
             f"  {row['tokens_per_s']:8.1f}  {'-' if tau is None else f'{tau:4.2f}':>4}"
         )
-    alphas = " ".join(f"{a:.2f}" for a in profile.alphas)
-    if trees:
-        rows.append(f"best tree ({len(profile.tree)} nodes, depth {profile.best_gamma}): "
-                    f"{[list(p) for p in profile.tree]}; top-1 α by depth: {alphas}")  # fmt: skip
-    else:
-        rows.append(f"best γ {profile.best_gamma}; α by position: {alphas}")
-    return "\n".join(rows)
+    return lines
 
 
-def _nodes_table(profile: Profile) -> str:
-    """A dynamic tree's node sweep: one row per node count verified a round."""
-    rows = ["nodes  predicted  measured  tokens/s     τ", "-" * 42]
-    for row in profile.sweep:
-        tau = row.get("mean_accepted_tokens")
-        rows.append(
-            f"{row['budget']:>5}  {row['predicted_speedup']:8.2f}x  {row['measured_speedup']:7.2f}x"
-            f"  {row['tokens_per_s']:8.1f}  {'-' if tau is None else f'{tau:4.2f}':>4}"
-        )
-    for arm, alphas in profile.arm_alphas.items():
-        rows.append(f"α by position, {arm} rounds: {' '.join(f'{a:.2f}' for a in alphas)}")
-    which = "every round's α by position" if profile.arm_alphas else "top-1 α by depth"
-    alphas = " ".join(f"{a:.2f}" for a in profile.alphas)
-    rows.append(f"best node count {profile.nodes}; {which}: {alphas}")
-    return "\n".join(rows)
+def _arm_lines(profile: Profile) -> list[str]:
+    return [f"α by position, {arm} rounds: {_alphas(a)}" for arm, a in profile.arm_alphas.items()]
 
 
-def _pair_table(profile: Profile) -> str:
-    """A γ pair sweep: N/M, lookup rounds' γ over the model rounds'."""
-    rows = ["N/M    predicted  measured  tokens/s     τ", "-" * 42]
-    for row in profile.sweep:
-        tau = row.get("mean_accepted_tokens")
-        pair = f"{row['gamma']}/{row['model_gamma']}"
-        rows.append(
-            f"{pair:<5}  {row['predicted_speedup']:8.2f}x  {row['measured_speedup']:7.2f}x"
-            f"  {row['tokens_per_s']:8.1f}  {'-' if tau is None else f'{tau:4.2f}':>4}"
-        )
-    for arm, alphas in profile.arm_alphas.items():
-        rows.append(f"α by position, {arm} rounds: {' '.join(f'{a:.2f}' for a in alphas)}")
-    rows.append(f"best γ pair {profile.best_gamma}/{profile.model_gamma} (lookup/model)")
-    return "\n".join(rows)
+def _alphas(values: Iterable[float]) -> str:
+    return " ".join(f"{a:.2f}" for a in values)
 
 
 def cache_root() -> Path:

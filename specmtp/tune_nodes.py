@@ -16,16 +16,18 @@ from collections.abc import Callable, Sequence
 from specmtp.api import SpecGenerator
 from specmtp.config import GenerationConfig
 from specmtp.costmodel import CostModel, fit_draft_cost
-from specmtp.drafters import MODEL_ARM, Drafter, has_arms
+from specmtp.drafters import Drafter, has_arms
 from specmtp.merged_drafter import MergedDrafter
 from specmtp.mtp_drafter import MTPDrafter
 from specmtp.profile import Profile
 from specmtp.stats import GenerationStats
 from specmtp.tune_pairs import arm_alphas
 from specmtp.tune_runs import (
+    MAX_TREE_NODES,
     Log,
     TuneConfig,
     generation,
+    model_round_draft_s,
     pair_generation,
     pooled_alphas,
     predicted_speedup,
@@ -53,7 +55,7 @@ def node_counts(
             f"(#nodes=auto sweeps --budgets)")  # fmt: skip
         return (heads.nodes,)
     assert heads.tree is not None
-    most = 64 if isinstance(drafter, MergedDrafter) else heads.tree.num_nodes
+    most = MAX_TREE_NODES if isinstance(drafter, MergedDrafter) else heads.tree.num_nodes
     counts = tuple(sorted({b for b in config.budgets if b <= most})) or (most,)
     if dropped := sorted(b for b in config.budgets if b > most):
         log(f"node counts {dropped} dropped: the heads' tree has {most} nodes")
@@ -131,9 +133,8 @@ def build_nodes_profile(
         samples = [(depth, s.draft_s / s.rounds) for rs in drafting.values() for s in rs
                    if s.rounds]  # fmt: skip
     else:
-        samples = [(depth, s.arm_draft_s[MODEL_ARM] / s.arm_counts[MODEL_ARM][0])
-                   for rs in drafting.values() for s in rs
-                   if s.arm_counts.get(MODEL_ARM, [0])[0]]  # fmt: skip
+        samples = [(depth, d) for rs in drafting.values() for s in rs
+                   if (d := model_round_draft_s(s)) is not None]  # fmt: skip
     cost = CostModel(verify_s, *fit_draft_cost(samples))
     plain = tokens_per_s(runs[0])
     sweep = [sweep_row(runs[0], plain, 1.0, gamma=0, budget=0)]

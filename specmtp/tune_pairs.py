@@ -9,13 +9,14 @@ from collections.abc import Sequence
 from specmtp.api import SpecGenerator
 from specmtp.config import GenerationConfig
 from specmtp.costmodel import CostModel, conditional_acceptance, expected_tokens, fit_draft_cost
-from specmtp.drafters import LOOKUP_ARM, MODEL_ARM
+from specmtp.drafters import LOOKUP_ARM
 from specmtp.profile import Profile
 from specmtp.stats import GenerationStats
 from specmtp.tune_runs import (
     Log,
     TuneConfig,
     generation,
+    model_round_draft_s,
     pair_generation,
     pooled_alphas,
     predicted_speedup,
@@ -97,9 +98,8 @@ def build_pair_profile(
     lookup arm's drafts cost next to nothing, and the adaptive schedule learns them); the
     prediction for a pair weighs each arm's E(γ) by its share of the rounds."""
     drafting = {pair: rs for pair, rs in runs.items() if pair != PLAIN}
-    samples = [(m, s.arm_draft_s[MODEL_ARM] / s.arm_counts[MODEL_ARM][0])
-               for (_, m), rs in drafting.items() for s in rs
-               if s.arm_counts.get(MODEL_ARM, [0])[0]]  # fmt: skip
+    samples = [(m, d) for (_, m), rs in drafting.items() for s in rs
+               if (d := model_round_draft_s(s)) is not None]  # fmt: skip
     cost = CostModel(verify_s, *fit_draft_cost(samples))
     every = [s for rs in drafting.values() for s in rs]
     alphas, per_arm = pooled_alphas(every, config.max_gamma), arm_alphas(every, config.max_gamma)

@@ -18,13 +18,15 @@ import torch
 from specmtp.api import SpecGenerator, make_config
 from specmtp.config import GenerationConfig
 from specmtp.costmodel import CostModel, conditional_acceptance, measure_verify_costs
+from specmtp.drafters import MODEL_ARM
 from specmtp.errors import SpecMTPError
 from specmtp.models import DTYPES
-from specmtp.profile import default_profile_path
+from specmtp.profile import Profile, default_profile_path
 from specmtp.stats import GenerationStats
 from specmtp.train_prompts import refuse_evaluation_sets
 
 Log = Callable[[str], None]
+MAX_TREE_NODES = Profile.MAX_NODES  # the most nodes a swept tree may have
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,10 @@ class TuneConfig:
         refuse_evaluation_sets(self.prompts, "tune")
         if not 1 <= self.max_gamma <= 32:
             raise SpecMTPError(f"max-gamma must be in 1..32, got {self.max_gamma}")
-        if not self.budgets or not all(1 <= b <= 64 for b in self.budgets):
-            raise SpecMTPError(f"tree budgets must be in 1..64 nodes, got {list(self.budgets)}")
+        if not self.budgets or not all(1 <= b <= MAX_TREE_NODES for b in self.budgets):
+            raise SpecMTPError(
+                f"tree budgets must be in 1..{MAX_TREE_NODES} nodes, got {list(self.budgets)}"
+            )
         if self.limit < 1:
             raise SpecMTPError(f"limit must be >= 1, got {self.limit}")
         GenerationConfig(self.max_new_tokens)  # validates max_new_tokens
@@ -141,3 +145,10 @@ def verify_costs(
     return measure_verify_costs(
         spec.decoder.target, prompt_ids[0], max_tokens=max(largest, config.max_gamma + 1)
     )
+
+
+def model_round_draft_s(stats: GenerationStats) -> float | None:
+    """Seconds per round the model arm of a drafter with arms spent drafting (the lookup
+    arm's drafts cost next to nothing); None when it drafted no round."""
+    rounds = stats.arm_counts.get(MODEL_ARM, [0])[0]
+    return stats.arm_draft_s[MODEL_ARM] / rounds if rounds else None
