@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from specmtp.adaptive_schedule import AdaptiveGamma
 from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors, tensor_bytes
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.costmodel import CostModel
@@ -29,7 +28,6 @@ from specmtp.drafters import (
     has_arms,
 )
 from specmtp.errors import SpecMTPError
-from specmtp.mtp_drafter import confident_tree_heads
 from specmtp.sampling import logits_to_probs
 from specmtp.schedule import RoundRecord, Schedule
 from specmtp.stats import GenerationStats
@@ -116,7 +114,6 @@ class SpecDecoder:
             schedule = arm_schedules[arm]
             catch_up = drafter_catch_up(self.drafter, context) if self.drafter is not None else 0
             k = schedule.next_gamma(limit, catch_up) if limit > 0 else 0
-            self._price_round(schedule, cost, limit)
             proposal, draft_s = self._draft(context, k, config, generator, max_positions)
             verdict, verify_s = self._verify(context, proposal, config, generator, stats)
             outcome = self._commit(context, proposal, verdict, k, stats)
@@ -138,17 +135,6 @@ class SpecDecoder:
             generated += block
             self._account(stats, context.shape[1], len(generated), draft_s, verify_s, start)
             yield block
-
-    def _price_round(self, schedule: Schedule, cost: CostModel | None, limit: int) -> None:
-        """Give heads that choose their tree's nodes each round the costs to choose by: an
-        adaptive schedule's, which follow the machine's speed and this context, else the
-        run's cost model."""
-        heads = confident_tree_heads(self.drafter)
-        if heads is not None:
-            heads.depth_limit = limit
-            heads.round_cost = (
-                schedule.current_cost() if isinstance(schedule, AdaptiveGamma) else cost
-            )
 
     def _account(
         self, stats: GenerationStats, n: int, generated: int, draft_s: float, verify_s: float,

@@ -29,7 +29,7 @@ from specmtp.drafters import (
     has_arms,
 )
 from specmtp.kernels import MAX_ROWS
-from specmtp.mtp_drafter import confident_tree_heads, drafter_depth, drafter_tree
+from specmtp.mtp_drafter import drafter_depth, drafter_tree
 from specmtp.schedule import FixedGamma, HeuristicGamma, Schedule
 from specmtp.timings import TimingStore
 
@@ -93,11 +93,9 @@ class DecodeSchedules:
         self.machine_speed = 1.0
 
     def costs(self, prompt_ids: Sequence[int], config: GenerationConfig) -> CostModel | None:
-        """The cost model a measured schedule (adaptive, guarded) steers by, and heads that
-        choose their tree's nodes each round at any schedule; None for the others. T(n) is
-        timed on first use: a benchmark calls this before its timed runs."""
-        measured = config.schedule in MEASURED_SCHEDULES
-        if self.drafter is None or not (measured or confident_tree_heads(self.drafter)):
+        """The cost model a measured schedule (adaptive, guarded) steers by; None for the
+        others. T(n) is timed on first use: a benchmark calls this before its timed runs."""
+        if config.schedule not in MEASURED_SCHEDULES or self.drafter is None:
             return None
         top = max(self.arm_gamma(config, arm) for arm in self._arms())
         return self.cost_model(prompt_ids, top, fresh=config.sampling.greedy)
@@ -136,7 +134,7 @@ class DecodeSchedules:
         gamma = _config_gamma(config, arm)
         if config.schedule == "heuristic":
             return HeuristicGamma(gamma)
-        if cost is None or config.schedule not in MEASURED_SCHEDULES:
+        if cost is None:
             return FixedGamma(gamma)
         gamma = self.arm_gamma(config, arm)  # choices past what the arm proposes: none
         if arm == LOOKUP_ARM:

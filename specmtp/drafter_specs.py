@@ -33,13 +33,11 @@ from specmtp.models import LoadedModel, load_model
 from specmtp.mtp_drafter import MTPDrafter
 from specmtp.output_vocab import output_vocab_ids
 from specmtp.specs import (
-    CONFIDENT_NODES,
     DRAFT_HEADS,
     MIN_PROBABILITY,
     OUTPUT_VOCAB,
     TREE_NODES,
     TUNED_NODES,
-    split_confident_nodes,
     split_count,
     split_heads,
     split_probability,
@@ -58,8 +56,7 @@ def build_drafter(
     n-gram N); `mtp` / `mtp:HEADS_DIR` (MTP heads drafting a chain); `mtp-tree`,
     `mtp-tree:HEADS_DIR` (a tree, from the heads' tree.json) or `mtp-tree:TREE.json` (a
     custom tree on the shipped heads), each with `#nodes=N` for a dynamic tree (the tree's N
-    likeliest nodes each round), `#nodes=auto` (N from the tuning profile) or `#nodes=conf`
-    (each round as many as pay, by the heads' confidence and the cost model); `general`,
+    likeliest nodes each round) or `#nodes=auto` (N from the tuning profile); `general`,
     `distilled`, `distilled-mtp` (drafts shipped for the default model; `distilled-mtp-ar`
     drafts with its LM head alone) or
     `draft:DIR` / `draft-ar:DIR` (one made by `specmtp distill`); `ngram+SPEC` or
@@ -92,13 +89,10 @@ def build_drafter(
     if spec == "store" or spec.startswith(("store:", "store+", "store#")):
         return build_store_drafter(spec, target, dtype=dtype)
     spec, heads_dir = split_heads(spec)
-    spec, confident = split_confident_nodes(spec)
-    spec, nodes, tuned = split_tree_nodes(
-        spec, f"mtp-tree{TREE_NODES}N (or {TUNED_NODES}, {CONFIDENT_NODES})"
-    )
+    spec, nodes, tuned = split_tree_nodes(spec, f"mtp-tree{TREE_NODES}N (or {TUNED_NODES})")
     spec, output_vocab = split_count(spec, OUTPUT_VOCAB, f"MODEL{OUTPUT_VOCAB}N")
     method, _, argument = spec.partition(":")
-    if (nodes is not None or tuned or confident) and method != "mtp-tree":
+    if (nodes is not None or tuned) and method != "mtp-tree":
         raise SpecMTPError(f"{TREE_NODES}N applies to mtp-tree drafters, not to {spec!r}")
     for option, value in ((OUTPUT_VOCAB + "N", output_vocab), (DRAFT_HEADS + "DIR", heads_dir)):
         if value is not None and (
@@ -109,13 +103,7 @@ def build_drafter(
             )
     if method in ("mtp", "mtp-tree"):
         return build_mtp_drafter(
-            spec,
-            target,
-            tree=method == "mtp-tree",
-            path=argument,
-            nodes=nodes,
-            tuned=tuned,
-            confident=confident,
+            spec, target, tree=method == "mtp-tree", path=argument, nodes=nodes, tuned=tuned
         ), target_vocab
     if method in SHIPPED_DRAFTS or method in ("draft", "draft-ar"):
         return build_small_drafter(spec, target), target_vocab
@@ -195,11 +183,6 @@ def build_merged_drafter(
         )
     heads, vocab = build_drafter(rest, target, dtype=dtype)
     assert isinstance(heads, MTPDrafter)
-    if heads.confident_nodes:  # the merged tree is chosen by priority, not by cost
-        raise SpecMTPError(
-            f"bad draft spec {spec!r}: {CONFIDENT_NODES} applies to mtp-tree alone or after "
-            f"ngram+; merged trees take #nodes=N or {TUNED_NODES}"
-        )
     if lookup_spec.startswith("store"):
         lookup = build_store_lookup(lookup_spec, spec, target)
         return MergedDrafter(heads, lookup=lookup), vocab
@@ -300,12 +283,10 @@ def build_mtp_drafter(
     path: str,
     nodes: int | None = None,
     tuned: bool = False,
-    confident: bool = False,
 ) -> MTPDrafter:
     """MTP heads for `target`: the ones shipped for the default model unless a path is given;
     with `nodes`, a dynamic tree of that many nodes out of the tree; `tuned`, one whose
-    node count a tuning profile will give (`#nodes=auto`); `confident`, one whose node count
-    the heads' confidence and the cost model choose each round (`#nodes=conf`)."""
+    node count a tuning profile will give (`#nodes=auto`)."""
     heads_dir, tree_file = shipped_heads_dir(), None
     if path.endswith(".json"):
         tree_file = Path(path)
@@ -320,14 +301,10 @@ def build_mtp_drafter(
                 f"the tree is {token_tree.max_depth} deep but the heads predict "
                 f"{heads.config.num_heads} tokens"
             )
-    name = spec + (
-        TUNED_NODES if tuned else CONFIDENT_NODES if confident
-        else "" if nodes is None else f"{TREE_NODES}{nodes}"
-    )  # fmt: skip
-    return MTPDrafter(
-        heads, tree=token_tree, nodes=nodes, tuned_nodes=tuned, confident_nodes=confident,
-        name=name,
-    )  # fmt: skip
+    name = (
+        f"{spec}{TUNED_NODES}" if tuned else spec if nodes is None else f"{spec}{TREE_NODES}{nodes}"
+    )
+    return MTPDrafter(heads, tree=token_tree, nodes=nodes, tuned_nodes=tuned, name=name)
 
 
 def eos_token_ids(loaded: LoadedModel) -> list[int]:

@@ -4,13 +4,10 @@ tokens drafted per round)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from specmtp.cache import module_tensors
 from specmtp.config import SamplingConfig
-from specmtp.costmodel import CostModel
 from specmtp.drafters import (
     Drafter,
     LookupFirstDrafter,
@@ -24,7 +21,6 @@ from specmtp.heads import Heads, SequentialMTP
 from specmtp.mtp_cache import SequentialDraftCache
 from specmtp.sampling import choose, greedy_tokens, logits_to_probs
 from specmtp.tree import Candidates, Path, TokenTree, build_tree_tokens, likeliest_subtree
-from specmtp.tree_budget import NodeCalibration, paying_node_count
 
 
 class MTPDrafter:
@@ -39,10 +35,7 @@ class MTPDrafter:
     each round drafts the whole tree and verifies only its `nodes` likeliest nodes by the
     heads' own probabilities (a dynamic tree). With `tuned_nodes` (`mtp-tree#nodes=auto`)
     `nodes` is set later, from a tuning profile (`use_profile_nodes`) or by `specmtp tune`
-    sweeping it; drafting before then is an error. With `confident_nodes`
-    (`mtp-tree#nodes=conf`) each round verifies as many of the likeliest nodes as pay for
-    their verify time under `round_cost` (the decode loop sets it before each round) and
-    the heads' probabilities calibrated on this sequence (tree_budget.py).
+    sweeping it; drafting before then is an error.
     """
 
     def __init__(
@@ -52,25 +45,16 @@ class MTPDrafter:
         tree: TokenTree | None = None,
         nodes: int | None = None,
         tuned_nodes: bool = False,
-        confident_nodes: bool = False,
         name: str = "mtp",
     ) -> None:
-        if (nodes is not None or tuned_nodes or confident_nodes) and (
+        if (nodes is not None or tuned_nodes) and (
             tree is None or (nodes is not None and nodes < 1)
         ):
             raise SpecMTPError("a dynamic tree needs a tree to draft and nodes >= 1")
-        if confident_nodes and (nodes is not None or tuned_nodes):
-            raise SpecMTPError("a tree's node count comes from one place: N, auto or conf")
         self.heads = heads.eval()
         self.tree = tree
         self.nodes = nodes
         self.tuned_nodes = tuned_nodes
-        self.confident_nodes = confident_nodes
-        self.round_cost: CostModel | None = None  # confident_nodes: this round's costs
-        self.depth_limit = 0  # confident_nodes: the most drafts this round may verify
-        self.round_s = 0.0  # confident_nodes: this round's modelled seconds
-        self.calibration = NodeCalibration()
-        self.predicted: list[float] | None = None  # the heads' chances by depth, this round
         self.name = name
         self.needs_target_hidden = True
         self.target_hidden_layers = heads.config.feature_layers
@@ -84,8 +68,6 @@ class MTPDrafter:
 
     def reset(self) -> None:
         self.hidden = None
-        self.calibration = NodeCalibration()
-        self.predicted = None
         if self.history is not None:
             self.history.reset()
 
@@ -102,10 +84,6 @@ class MTPDrafter:
     def observe(self, outcome: Outcome) -> None:
         assert outcome.target_hidden is not None  # the loop keeps it: needs_target_hidden
         self.hidden = outcome.target_hidden[:, -1:]
-        if self.predicted is not None:  # a round these heads drafted with confident_nodes
-            self.calibration.record(self.predicted, outcome.num_accepted)
-            self.calibration.record_round(outcome.num_accepted + 1, self.round_s)
-            self.predicted = None
         if self.history is not None:
             self.history.add_hidden(outcome.target_hidden)
 
@@ -145,36 +123,10 @@ class MTPDrafter:
 
     def _tree_proposal(self, context: torch.Tensor, k: int) -> Proposal:
         self.check_nodes_known()
-        if self.confident_nodes:  # the nodes' own chances choose the depth too
-            k = min(self.max_depth, self.depth_limit)
         tree, candidates, logprob = self._drafted_tree(context, k)
         if self.nodes is not None:  # one tree for the batch: the paths' mean log-probability
             tree = likeliest_subtree({p: float(lp.mean()) for p, lp in logprob.items()}, self.nodes)
-        elif self.confident_nodes:
-            tree = self._paying_subtree(tree, logprob, k)
         return Proposal(build_tree_tokens(tree, candidates), None, tree=tree)
-
-    def _paying_subtree(
-        self, tree: TokenTree, logprob: dict[Path, torch.Tensor], k: int
-    ) -> TokenTree:
-        """The likeliest nodes that pay for their verify time this round (tree_budget.py)."""
-        if self.round_cost is None:
-            raise SpecMTPError(f"{self.name} chooses its nodes from a cost model, and none was set")
-        cost = self.round_cost
-        ranked = likeliest_subtree({p: float(lp.mean()) for p, lp in logprob.items()},
-                                   tree.num_nodes)  # fmt: skip
-        raw = [math.exp(float(logprob[p].mean())) for p in ranked.paths]
-        chances = self.calibration.calibrated(ranked.paths, raw)
-        draft_s = cost.draft_s(k)
-        round_s = lambda n: draft_s + cost.target_s(n + 1)  # noqa: E731
-        rate = self.calibration.rate(1.0 / cost.target_s(1))
-        n = paying_node_count(chances, round_s, rate)
-        self.round_s = round_s(n)
-        by_depth = [0.0] * max(len(p) for p in ranked.paths[:n])
-        for path, chance in zip(ranked.paths[:n], raw, strict=False):
-            by_depth[len(path) - 1] += chance  # uncalibrated: the scale is measured against it
-        self.predicted = by_depth
-        return TokenTree(ranked.paths[:n])
 
     def _drafted_tree(
         self, context: torch.Tensor, k: int
@@ -232,18 +184,9 @@ def dynamic_tree_heads(drafter: Drafter | None) -> MTPDrafter | None:
     drafter: itself, or a lookup-first or merged drafter's heads; None otherwise."""
     if isinstance(drafter, LookupFirstDrafter):
         return dynamic_tree_heads(drafter.fallback)
-    if isinstance(drafter, MTPDrafter) and (
-        drafter.nodes is not None or drafter.tuned_nodes or drafter.confident_nodes
-    ):
+    if isinstance(drafter, MTPDrafter) and (drafter.nodes is not None or drafter.tuned_nodes):
         return drafter
     return None
-
-
-def confident_tree_heads(drafter: Drafter | None) -> MTPDrafter | None:
-    """The MTP heads choosing their tree's nodes each round (`mtp-tree#nodes=conf`) inside a
-    drafter, or None."""
-    heads = dynamic_tree_heads(drafter)
-    return heads if heads is not None and heads.confident_nodes else None
 
 
 def drafter_depth(drafter: Drafter | None) -> int | None:

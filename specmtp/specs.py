@@ -2,8 +2,7 @@
 `#min-p=P`.
 
 `mtp-tree#nodes=4` verifies a dynamic tree's 4 likeliest nodes a round (`#nodes=auto`: as many
-as `specmtp tune` found fastest on this machine, read from its profile; `#nodes=conf`: each round
-as many as the heads' confidence says pay for their verify time); `MODEL#vocab=N` cuts a
+as `specmtp tune` found fastest on this machine, read from its profile); `MODEL#vocab=N` cuts a
 draft model's output matrix to N tokens; `MODEL#heads=DIR` drafts with MTP heads trained on
 that draft model (`specmtp train-mtp --target MODEL`). `#heads=` comes last: its path runs
 to the end of the spec. `store:FILE#min-p=0.5` drafts from a datastore only while its
@@ -16,7 +15,6 @@ from specmtp.errors import SpecMTPError
 
 TREE_NODES = "#nodes="
 TUNED_NODES = TREE_NODES + "auto"  # a dynamic tree whose node budget a tuning profile holds
-CONFIDENT_NODES = TREE_NODES + "conf"  # a dynamic tree whose nodes pay for themselves each round
 OUTPUT_VOCAB = "#vocab="
 DRAFT_HEADS = "#heads="
 MIN_PROBABILITY = "#min-p="
@@ -41,15 +39,6 @@ def split_tree_nodes(spec: str, usage: str) -> tuple[str, int | None, bool]:
         return base, None, True
     base, nodes = split_count(spec, TREE_NODES, usage)
     return base, nodes, False
-
-
-def split_confident_nodes(spec: str) -> tuple[str, bool]:
-    """`BASE#nodes=conf` -> (BASE, True): the tree's node count chosen each round from the
-    heads' confidence and the cost model; a spec without it -> (spec, False)."""
-    base, found, rest = spec.partition(CONFIDENT_NODES)
-    if found and not rest and base:
-        return base, True
-    return spec, False
 
 
 def split_heads(spec: str) -> tuple[str, str | None]:

@@ -47,7 +47,7 @@ def node_counts(
     beyond the heads' tree alone, which could verify no more; a merged drafter's copied
     nodes come on top of it), the fixed count for `mtp-tree#nodes=N` alone; () when the
     drafter is swept otherwise (no dynamic tree, or a fixed count with a lookup arm)."""
-    if heads is None or heads.confident_nodes or (not heads.tuned_nodes and has_arms(drafter)):
+    if heads is None or (not heads.tuned_nodes and has_arms(drafter)):
         return ()
     if not heads.tuned_nodes:
         assert heads.nodes is not None
