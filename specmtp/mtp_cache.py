@@ -147,6 +147,7 @@ class SequentialDraftCache:
         if not 1 <= k <= len(self.heads.depths):
             raise SpecMTPError(f"cannot draft {k} tokens with {len(self.heads.depths)} MTP depths")
         self._check(context)
+        self._catch_up(context)
         drafts, below, logits = context[:, :0], self._first_input(), []
         for i in range(k):
             below, depth_logits, new = self._run(i, below, context, drafts)
@@ -170,6 +171,7 @@ class SequentialDraftCache:
                 f"the tree is {tree.max_depth} deep; the heads have {len(self.heads.depths)} depths"
             )
         self._check(context)
+        self._catch_up(context)
         batch = context.shape[0]
         tokens: dict[Path, torch.Tensor] = {}
         logprob: dict[Path, torch.Tensor] = {(): torch.zeros(batch, device=context.device)}
@@ -208,6 +210,30 @@ class SequentialDraftCache:
             raise SpecMTPError(
                 f"the MTP cache holds {known} hidden states; the context needs {last + 1}"
             )
+
+    def _catch_up(self, context: torch.Tensor) -> None:
+        """Run each depth, once for the batch, over the positions after its cache whose
+        inputs are all committed but the last one (s < T-2-i), and cache them: the rounds
+        then run only the last committed position and the drafts, for every path. Without
+        it a 16-node tree's first round ran depth i over the whole prompt once per parent
+        (5 times at depth 3): 6 s more time to first token at a 4K-token prompt."""
+        last = context.shape[1] - 2
+        for i, depth in enumerate(self.heads.depths):
+            start, end = self.cached(i), last - i  # positions start .. end-1
+            if end - start < 1:
+                continue
+            if i == 0:
+                hidden = self.hidden
+                assert hidden is not None  # _check ran
+                below = hidden[:, start:end]
+            else:
+                below = self.states[i - 1].view()[:, start:end]  # cached up to T-2-i
+            state, _, (keys, values) = depth(
+                below, self.heads.embed(context[:, start + 1 + i : end + 1 + i]), self.past(i)
+            )
+            self.states[i].append(state)
+            self.keys[i].append(keys)
+            self.values[i].append(values)
 
     def _first_input(self) -> torch.Tensor:
         """What depth 0 reads at the positions after its cache: h_s fused, [B, n, H]."""
