@@ -194,44 +194,14 @@ class _Block(nn.Module):
         if past is None:
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, heads, n, d]
         else:
-            attended = attend_after(q, k, v, past)
+            cached = past[0].shape[2]
+            # Causal over the cached positions and the new ones: query j sees keys <= L + j.
+            mask = torch.ones(n, cached + n, dtype=torch.bool, device=x.device).tril(cached)
+            keys, values = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         x = x + self.out(attended.transpose(1, 2).reshape(b, n, h))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)  # each [B, n, 2H]
         return x + self.down(F.silu(gate) * up), (k, v)
-
-
-def attend_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: KV) -> torch.Tensor:
-    """Causal attention of n new positions after L cached ones: query j sees the L cached
-    keys and new keys 0..j. q, k, v [m*B, heads, n, d] may stack m paths (path-major) that
-    share one past, each [B, heads, L, d]: the past is read once for all of them, never
-    copied per path or concatenated with the new keys (drafting a tree at a 4K-token context
-    copied about 370 MB a round that way). Softmax in float32. Returns [m*B, heads, n, d]."""
-    past_k, past_v = past
-    batch, heads, length, dim = past_k.shape
-    rows, _, n, _ = q.shape
-    paths = rows // batch
-    # Every path's queries as rows of one product with the shared past: [B, heads, m*n, d].
-    queries = (
-        q.view(paths, batch, heads, n, dim)
-        .permute(1, 2, 0, 3, 4)
-        .reshape(batch, heads, paths * n, dim)
-    )
-    scale = dim**-0.5
-    old = (queries @ past_k.transpose(-1, -2)).float() * scale  # [B, heads, m*n, L]
-    new = (q @ k.transpose(-1, -2)).float() * scale  # [m*B, heads, n, n]
-    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    new = new.masked_fill(~causal, float("-inf"))
-    new = (
-        new.view(paths, batch, heads, n, n)
-        .permute(1, 2, 0, 3, 4)
-        .reshape(batch, heads, paths * n, n)
-    )
-    probs = torch.cat([old, new], -1).softmax(-1).to(q.dtype)  # [B, heads, m*n, L+n]
-    out = probs[..., :length] @ past_v  # [B, heads, m*n, d]
-    own = probs[..., length:].reshape(batch, heads, paths, n, n).permute(2, 0, 1, 3, 4)
-    own = own.reshape(rows, heads, n, n) @ v  # [m*B, heads, n, d]
-    out = out.view(batch, heads, paths, n, dim).permute(2, 0, 1, 3, 4).reshape(rows, heads, n, dim)
-    return out + own
 
 
 class _Depth(nn.Module):

@@ -30,38 +30,6 @@ from specmtp.heads import KV, SequentialMTP
 from specmtp.tree import Path, TokenTree
 
 
-class GrowingBuffer:
-    """A tensor that grows along `dim` into spare capacity, so appending a round's positions
-    copies only them (not the whole history, as torch.cat would), and rolling back is a
-    length change."""
-
-    def __init__(self, dim: int) -> None:
-        self.dim = dim
-        self.data: torch.Tensor | None = None
-        self.length = 0
-
-    def view(self) -> torch.Tensor | None:
-        """The first `length` entries along `dim` (a view), or None when empty."""
-        return None if self.data is None or self.length == 0 else self.data.narrow(
-            self.dim, 0, self.length
-        )  # fmt: skip
-
-    def append(self, new: torch.Tensor) -> None:
-        added = new.shape[self.dim]
-        if self.data is None or self.length + added > self.data.shape[self.dim]:
-            shape = list(new.shape)
-            shape[self.dim] = max(64, 2 * (self.length + added))
-            grown = new.new_empty(shape)
-            if self.data is not None and self.length:
-                grown.narrow(self.dim, 0, self.length).copy_(self.view())
-            self.data = grown
-        self.data.narrow(self.dim, self.length, added).copy_(new)
-        self.length += added
-
-    def crop(self, length: int) -> None:
-        self.length = min(self.length, length)
-
-
 @dataclass(frozen=True)
 class DraftedTree:
     """A drafted tree: each path's token [B], and the log-probability [B] (float32) the
@@ -80,12 +48,11 @@ class SequentialDraftCache:
         self.reset()
 
     def reset(self) -> None:
-        self.fused = GrowingBuffer(1)  # [B, L, H]: depth 0's input at h_0 .. h_{L-1}
+        self.fused: torch.Tensor | None = None  # [B, L, H]: depth 0's input at h_0 .. h_{L-1}
         self.unfused: list[torch.Tensor] = []  # [B, m, F] each: features added since
         depths = len(self.heads.depths)
-        self.keys = [GrowingBuffer(2) for _ in range(depths)]  # each [B, heads, L_i, d]
-        self.values = [GrowingBuffer(2) for _ in range(depths)]
-        self.states = [GrowingBuffer(1) for _ in range(depths)]  # each [B, L_i, H]
+        self.kv: list[KV | None] = [None] * depths  # each [B, heads, L_i, d]
+        self.states: list[torch.Tensor | None] = [None] * depths  # each [B, L_i, H]
 
     def add_hidden(self, hidden: torch.Tensor) -> None:
         """The target's features [B, m, F] at the next m positions it has verified. They
@@ -99,21 +66,25 @@ class SequentialDraftCache:
         """Depth 0's input [B, T-1, H] at the target's h_0 .. h_{T-2}."""
         if self.unfused:
             with torch.no_grad():
-                self.fused.append(self.heads.fuse(torch.cat(self.unfused, 1)))
+                new = self.heads.fuse(torch.cat(self.unfused, 1))
+            self.fused = new if self.fused is None else torch.cat([self.fused, new], 1)
             self.unfused = []
-        return self.fused.view()
+        return self.fused
 
     def crop(self, tokens: int) -> None:
         """Keep only what depends on the first `tokens` tokens alone: their hidden states
         h_0 .. h_{tokens-1}, and depth i's positions s <= tokens-2-i (s reads x_{s+1+i}).
         For a draft model, whose hidden states cover every token it has read and whose
         fed tokens may be rolled back."""
-        self.hidden  # noqa: B018 (fuses what was added, so the crop counts it)
-        self.fused.crop(max(0, tokens))
+        if self.hidden is not None:
+            self.fused = self.hidden[:, :tokens] if tokens > 0 else None
         for i in range(len(self.heads.depths)):
             keep = max(0, min(self.cached(i), tokens - 1 - i))
-            for buffer in (self.keys[i], self.values[i], self.states[i]):
-                buffer.crop(keep)
+            kv, states = self.kv[i], self.states[i]
+            if kv is None or states is None or keep == states.shape[1]:
+                continue
+            self.kv[i] = None if keep == 0 else (kv[0][:, :, :keep], kv[1][:, :, :keep])
+            self.states[i] = None if keep == 0 else states[:, :keep]
 
     def bytes_per_position(self) -> int:
         """Bytes a position adds at most: its hidden state (the target's features, one
@@ -125,16 +96,12 @@ class SequentialDraftCache:
 
     def cached(self, depth: int) -> int:
         """Positions in this depth's cache (0 .. L_i - 1)."""
-        return self.states[depth].length
-
-    def past(self, depth: int) -> KV | None:
-        """This depth's cached keys and values, each [B, heads, L_i, d], or None."""
-        keys, values = self.keys[depth].view(), self.values[depth].view()
-        return None if keys is None or values is None else (keys, values)
+        states = self.states[depth]
+        return 0 if states is None else states.shape[1]
 
     def nbytes(self) -> int:
-        buffers = [self.fused, *self.keys, *self.values, *self.states]
-        tensors = [t for t in (b.view() for b in buffers) if t is not None] + self.unfused
+        tensors = [t for kv in self.kv if kv is not None for t in kv]
+        tensors += [t for t in [self.fused, *self.unfused, *self.states] if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.no_grad()
@@ -147,8 +114,7 @@ class SequentialDraftCache:
         if not 1 <= k <= len(self.heads.depths):
             raise SpecMTPError(f"cannot draft {k} tokens with {len(self.heads.depths)} MTP depths")
         self._check(context)
-        self._catch_up(context)
-        drafts, below, logits = context[:, :0], self._first_input(), []
+        drafts, below, logits = context[:, :0], self.hidden, []
         for i in range(k):
             below, depth_logits, new = self._run(i, below, context, drafts)
             self._commit(i, context, *new)
@@ -171,18 +137,17 @@ class SequentialDraftCache:
                 f"the tree is {tree.max_depth} deep; the heads have {len(self.heads.depths)} depths"
             )
         self._check(context)
-        self._catch_up(context)
         batch = context.shape[0]
         tokens: dict[Path, torch.Tensor] = {}
         logprob: dict[Path, torch.Tensor] = {(): torch.zeros(batch, device=context.device)}
         drafted: dict[Path, torch.Tensor] = {(): context[:, :0]}  # [B, len(path)]
-        below: dict[Path, torch.Tensor] = {(): self._first_input()}  # what the next depth reads
+        below: dict[Path, torch.Tensor] = {(): self.hidden}  # states the next depth reads
         for i in range(tree.max_depth):
             children = [path for path in tree.paths if len(path) == i + 1]
             parents = list(dict.fromkeys(path[:-1] for path in children))
             states, logits, new = self._run(
                 i,
-                torch.cat([below[p] for p in parents]),  # [m*B, n, H], parent-major
+                torch.cat([below[p] for p in parents]),  # [m*B, T-1, H], parent-major
                 context.repeat(len(parents), 1),
                 torch.cat([drafted[p] for p in parents]),
             )
@@ -211,63 +176,28 @@ class SequentialDraftCache:
                 f"the MTP cache holds {known} hidden states; the context needs {last + 1}"
             )
 
-    def _catch_up(self, context: torch.Tensor) -> None:
-        """Run each depth, once for the batch, over the positions after its cache whose
-        inputs are all committed but the last one (s < T-2-i), and cache them: the rounds
-        then run only the last committed position and the drafts, for every path. Without
-        it a 16-node tree's first round ran depth i over the whole prompt once per parent
-        (5 times at depth 3): 6 s more time to first token at a 4K-token prompt."""
-        last = context.shape[1] - 2
-        for i, depth in enumerate(self.heads.depths):
-            start, end = self.cached(i), last - i  # positions start .. end-1
-            if end - start < 1:
-                continue
-            if i == 0:
-                hidden = self.hidden
-                assert hidden is not None  # _check ran
-                below = hidden[:, start:end]
-            else:
-                below = self.states[i - 1].view()[:, start:end]  # cached up to T-2-i
-            state, _, (keys, values) = depth(
-                below, self.heads.embed(context[:, start + 1 + i : end + 1 + i]), self.past(i)
-            )
-            self.states[i].append(state)
-            self.keys[i].append(keys)
-            self.values[i].append(values)
-
-    def _first_input(self) -> torch.Tensor:
-        """What depth 0 reads at the positions after its cache: h_s fused, [B, n, H]."""
-        hidden = self.hidden
-        assert hidden is not None  # _check ran
-        return hidden[:, self.cached(0) :]
-
     def _run(
         self, i: int, below: torch.Tensor, context: torch.Tensor, drafted: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         """Depth i at the positions after its cache up to T-2, after the drafted tokens
-        [B', i] of one path per row; below [B', n, H] is what it reads at those n positions.
+        [B', i] of one path per row; below [B', T-1, H] is what it reads at every position.
         B' may be a multiple m of the cache's batch B (m paths stacked, path-major): the
-        cache is shared by all of them (heads.attend_after reads it once).
+        cache is shared by all of them.
 
-        Returns this depth's states at the positions after depth i+1's cache [B', n', H]
-        (what depth i+1 reads), its logits at T-2 [B', V'], and the new positions' states,
-        keys and values. Only positions a depth has not cached are passed on: the whole
-        history, copied per path every round, cost more than the heads' weights at long
-        contexts."""
+        Returns this depth's states at every position [B', T-1, H] (for depth i+1), its
+        logits at T-2 [B', V'], and the new positions' states, keys and values."""
         heads, start, last = self.heads, self.cached(i), context.shape[1] - 2
         tokens = torch.cat([context, drafted], 1)  # x_0 .. x_{T-1+i}
+        past, cached = self.kv[i], self.states[i]
+        if past is not None and cached is not None and below.shape[0] != cached.shape[0]:
+            paths = below.shape[0] // cached.shape[0]
+            past = (past[0].repeat(paths, 1, 1, 1), past[1].repeat(paths, 1, 1, 1))
+            cached = cached.repeat(paths, 1, 1)
         state, normed, (keys, values) = heads.depths[i](
-            below, heads.embed(tokens[:, start + 1 + i : last + 2 + i]), self.past(i)
+            below[:, start:], heads.embed(tokens[:, start + 1 + i : last + 2 + i]), past
         )  # state, normed [B', last+1-start, H]; keys, values [B', heads, same, d]
-        after = self.cached(i + 1) if i + 1 < len(heads.depths) else start
-        if after >= start:
-            passed = state[:, after - start :]
-        else:  # the next depth's cache ends earlier: it also reads cached states of this one
-            cached = self.states[i].view()
-            assert cached is not None  # start > after >= 0
-            paths = state.shape[0] // cached.shape[0]
-            passed = torch.cat([cached[:, after:start].repeat(paths, 1, 1), state], 1)
-        return passed, heads.projection(normed[:, -1]), (state, keys, values)
+        states = state if cached is None else torch.cat([cached, state], 1)
+        return states, heads.projection(normed[:, -1]), (state, keys, values)
 
     def _top(self, logits: torch.Tensor, width: int) -> torch.Tensor:
         """The top `width` candidates of draft-vocabulary logits [B, V'], as full ids."""
@@ -286,6 +216,10 @@ class SequentialDraftCache:
         count = max(0, context.shape[1] - 2 - depth - self.cached(depth))
         if count == 0:
             return
-        self.states[depth].append(state[:, :count])
-        self.keys[depth].append(keys[:, :, :count])
-        self.values[depth].append(values[:, :, :count])
+        new = (state[:, :count], keys[:, :, :count], values[:, :, :count])
+        old_kv, old_states = self.kv[depth], self.states[depth]
+        if old_kv is None or old_states is None:
+            self.states[depth], self.kv[depth] = new[0], (new[1], new[2])
+            return
+        self.states[depth] = torch.cat([old_states, new[0]], 1)
+        self.kv[depth] = (torch.cat([old_kv[0], new[1]], 2), torch.cat([old_kv[1], new[2]], 2))

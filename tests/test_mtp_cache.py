@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import TINY_VOCAB, tiny_model
 from test_heads import config_for
 from transformers import PreTrainedModel
@@ -12,8 +11,8 @@ from transformers import PreTrainedModel
 from specmtp.config import GenerationConfig
 from specmtp.decode import SpecDecoder
 from specmtp.errors import SpecMTPError
-from specmtp.heads import SequentialMTP, attend_after, build_heads
-from specmtp.mtp_cache import GrowingBuffer, SequentialDraftCache
+from specmtp.heads import SequentialMTP, build_heads
+from specmtp.mtp_cache import SequentialDraftCache
 from specmtp.mtp_drafter import MTPDrafter
 from specmtp.tree import TokenTree
 
@@ -191,48 +190,3 @@ def test_the_drafter_reports_its_cache(
     assert 0 < drafter.kv_bytes() <= positions * drafter.kv_bytes_per_token()
     drafter.reset()
     assert drafter.kv_bytes() == 0
-
-
-@pytest.mark.parametrize(
-    ("paths", "batch", "n", "length"), [(1, 1, 1, 5), (3, 1, 2, 7), (2, 2, 3, 4)]
-)
-def test_attention_after_a_shared_past_equals_attention_over_each_path(
-    paths: int, batch: int, n: int, length: int
-) -> None:
-    """attend_after reads one past for every stacked path; the reference concatenates the
-    past with each path's new keys and runs SDPA with the causal mask, path by path."""
-    g = torch.Generator().manual_seed(paths * 10 + n)
-    heads_, dim = 2, 8
-    q, k, v = (torch.randn(paths * batch, heads_, n, dim, generator=g) for _ in range(3))
-    past = tuple(torch.randn(batch, heads_, length, dim, generator=g) for _ in range(2))
-    mask = torch.ones(n, length + n, dtype=torch.bool).tril(length)
-    expected = torch.cat([
-        F.scaled_dot_product_attention(
-            q[j * batch : (j + 1) * batch],
-            torch.cat([past[0], k[j * batch : (j + 1) * batch]], 2),
-            torch.cat([past[1], v[j * batch : (j + 1) * batch]], 2),
-            attn_mask=mask,
-        )
-        for j in range(paths)
-    ])  # fmt: skip
-    torch.testing.assert_close(attend_after(q, k, v, past), expected)
-
-
-def test_a_growing_buffer_appends_into_its_spare_room_and_crops_by_length() -> None:
-    buffer = GrowingBuffer(1)
-    assert buffer.view() is None
-    pieces = [torch.full((2, size, 3), float(size)) for size in (1, 4, 2, 30, 5, 1)]
-    storage = None
-    for i, piece in enumerate(pieces):
-        buffer.append(piece)
-        torch.testing.assert_close(buffer.view(), torch.cat(pieces[: i + 1], 1))
-        if i == 2:
-            storage = buffer.data
-    assert buffer.data is storage  # 43 positions fit the first 64: never reallocated
-    buffer.crop(5)
-    torch.testing.assert_close(buffer.view(), torch.cat(pieces[:2], 1))
-    buffer.append(torch.zeros(2, 1, 3))  # after a crop, appending overwrites the rest
-    assert buffer.view().shape == (2, 6, 3) and buffer.view()[:, 5].abs().sum() == 0
-    buffer.append(torch.ones(2, 100, 3))  # past the capacity: grown, the history kept
-    assert buffer.view().shape == (2, 106, 3)
-    assert torch.equal(buffer.view()[:, :5], torch.cat(pieces[:2], 1))
