@@ -27,6 +27,7 @@ Saving and loading: `heads_io`; the check of which trunk they were trained on: `
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,8 @@ from transformers import PreTrainedModel
 from specmtp.errors import SpecMTPError
 from specmtp.heads_config import HeadsConfig
 
-KV = tuple[torch.Tensor, torch.Tensor]  # an attention block's keys and values [B, heads, n, d]
+# Attention of a block's queries, keys and values (each [B, heads, n, d]) -> [B, heads, n, d].
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 _NORM_EPS = 1e-6
 
 
@@ -184,24 +186,21 @@ class _Block(nn.Module):
         self.gate_up = nn.Linear(hidden_size, 4 * hidden_size, bias=False)
         self.down = nn.Linear(2 * hidden_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, past: KV | None = None) -> tuple[torch.Tensor, KV]:
-        """x [B, n, H] at the n positions after the L ones whose keys and values are in
-        `past` (each [B, heads, L, d]; None: L = 0). Returns the output [B, n, H] and the
-        n positions' own keys and values, for a caller that caches them."""
+    def forward(self, x: torch.Tensor, attend: Attend | None = None) -> torch.Tensor:
+        """x [B, n, H] -> the block's output [B, n, H]. Without `attend`, the n positions
+        attend causally to each other alone (training). With it, `attend(q, k, v)` (each
+        [B, heads, n, d]) attends them to whatever the caller keeps besides: drafting's
+        per-depth cache of earlier positions (mtp_cache.py)."""
         b, n, h = x.shape
         qkv = self.qkv(self.attn_norm(x)).view(b, n, 3, self.num_heads, h // self.num_heads)
         q, k, v = qkv.transpose(1, 3).unbind(2)  # each [B, heads, n, d]
-        if past is None:
+        if attend is None:
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, heads, n, d]
         else:
-            cached = past[0].shape[2]
-            # Causal over the cached positions and the new ones: query j sees keys <= L + j.
-            mask = torch.ones(n, cached + n, dtype=torch.bool, device=x.device).tril(cached)
-            keys, values = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
-            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            attended = attend(q, k, v)
         x = x + self.out(attended.transpose(1, 2).reshape(b, n, h))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)  # each [B, n, 2H]
-        return x + self.down(F.silu(gate) * up), (k, v)
+        return x + self.down(F.silu(gate) * up)
 
 
 class _Depth(nn.Module):
@@ -216,13 +215,13 @@ class _Depth(nn.Module):
         self.final_norm = nn.RMSNorm(hidden_size, eps=_NORM_EPS)
 
     def forward(
-        self, hidden: torch.Tensor, embedded: torch.Tensor, past: KV | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, KV]:
+        self, hidden: torch.Tensor, embedded: torch.Tensor, attend: Attend | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden, embedded [B, n, H] -> this depth's hidden state and normed output, each
-        [B, n, H], and the block's keys and values of these positions (see _Block)."""
+        [B, n, H]; `attend` as in _Block."""
         joined = torch.cat([self.hidden_norm(hidden), self.embed_norm(embedded)], dim=-1)
-        out, kv = self.block(self.combine(joined), past)
-        return out, self.final_norm(out), kv
+        out = self.block(self.combine(joined), attend)
+        return out, self.final_norm(out)
 
 
 class _FeatureFusion(nn.Module):
@@ -281,7 +280,7 @@ class SequentialMTP(_HeadsBase):
 
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """Depth 0 only: hidden [B, n, F], next_tokens [B, n] (x_{t+1}) -> logits [B, n, V']."""
-        _, normed, _ = self.depths[0](self.fuse(hidden), self.embed(next_tokens))
+        _, normed = self.depths[0](self.fuse(hidden), self.embed(next_tokens))
         return self.projection(normed)
 
     def forward_all(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -293,7 +292,7 @@ class SequentialMTP(_HeadsBase):
         """
         n, logits, state = tokens.shape[1], [], self.fuse(hidden)
         for i, depth in enumerate(self.depths[: max(0, n - 1)]):
-            state, normed, _ = depth(state[:, : n - 1 - i], self.embed(tokens[:, 1 + i :]))
+            state, normed = depth(state[:, : n - 1 - i], self.embed(tokens[:, 1 + i :]))
             logits.append(self.projection(normed))  # [B, n-1-i, V']
         return logits
 

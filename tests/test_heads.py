@@ -85,12 +85,24 @@ def test_sequential_shapes_and_cached_block(target: PreTrainedModel) -> None:
     assert [tuple(x.shape) for x in every] == [(2, 9 - i, TINY_VOCAB) for i in range(3)]
     assert torch.equal(every[0], depth0)
 
-    # A cached block over the positions in two parts equals one causal pass over them all.
+    # A block attending through `attend` to keys kept from an earlier part of the positions
+    # equals one causal pass over them all.
+    kept: list[torch.Tensor] = []
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not kept:
+            kept.extend([k, v])
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        n, past = k.shape[2], kept[0].shape[2]
+        mask = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+        keys, values = torch.cat([kept[0], k], 2), torch.cat([kept[1], v], 2)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
     with torch.no_grad():
         first, second = (heads.embed(ids[:, :4]), heads.embed(ids[:, 4:]))
-        whole, _, _ = heads.depths[0](hidden, heads.embed(ids))
-        head, _, kv = heads.depths[0](hidden[:, :4], first)
-        tail, _, _ = heads.depths[0](hidden[:, 4:], second, kv)
+        whole, _ = heads.depths[0](hidden, heads.embed(ids))
+        head, _ = heads.depths[0](hidden[:, :4], first, attend)
+        tail, _ = heads.depths[0](hidden[:, 4:], second, attend)
     torch.testing.assert_close(torch.cat([head, tail], 1), whole)
 
 

@@ -12,7 +12,7 @@ from specmtp.config import GenerationConfig
 from specmtp.decode import SpecDecoder
 from specmtp.errors import SpecMTPError
 from specmtp.heads import SequentialMTP, build_heads
-from specmtp.mtp_cache import SequentialDraftCache
+from specmtp.mtp_cache import GrowingBuffer, SequentialDraftCache
 from specmtp.mtp_drafter import MTPDrafter
 from specmtp.tree import TokenTree
 
@@ -154,9 +154,9 @@ def test_cache_bytes_grow_with_the_history_and_reset_empties_it(
     cache.add_hidden(hidden[:, :9])
     cache.draft(ids[:, :10], 3)
     small = cache.nbytes()
-    cache.add_hidden(hidden[:, 9:19])
-    cache.draft(ids[:, :20], 3)
-    assert cache.nbytes() > small > 0
+    cache.add_hidden(hidden[:, 9:37])
+    cache.draft(ids[:, :38], 3)
+    assert cache.nbytes() > small > 0  # past the buffers' first capacity
     cache.reset()
     assert cache.nbytes() == 0 and cache.cached(0) == 0
 
@@ -182,7 +182,8 @@ def test_the_drafter_reports_its_cache(
 ) -> None:
     drafter = MTPDrafter(heads)
     hidden = target.config.hidden_size
-    assert drafter.kv_bytes_per_token() == hidden * (1 + 3 * 3) * 4  # float32: h, then k, v, state
+    # float32: h, then k, v, state per depth; twice, for the buffers' spare capacity
+    assert drafter.kv_bytes_per_token() == 2 * hidden * (1 + 3 * 3) * 4
     decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
     prompt = sequence[0][0, :8].tolist()
     result = decoder.generate(prompt, GenerationConfig(max_new_tokens=20, gamma=3))
@@ -190,3 +191,21 @@ def test_the_drafter_reports_its_cache(
     assert 0 < drafter.kv_bytes() <= positions * drafter.kv_bytes_per_token()
     drafter.reset()
     assert drafter.kv_bytes() == 0
+
+
+def test_a_growing_buffer_appends_in_place_and_rolls_back_by_length() -> None:
+    buffer = GrowingBuffer(1)
+    assert buffer.view() is None and buffer.nbytes() == 0
+    rows = torch.arange(2 * 40 * 3, dtype=torch.float32).view(2, 40, 3)
+    buffer.append(rows[:, :10])
+    held = buffer.data
+    buffer.append(rows[:, 10:14])  # within capacity: the same storage
+    assert buffer.data is held and torch.equal(buffer.view(), rows[:, :14])
+    buffer.write(rows[:, 30:33])  # scratch past the length: seen by view(extra) only
+    assert torch.equal(buffer.view(3)[:, 14:], rows[:, 30:33]) and buffer.view().shape[1] == 14
+    buffer.crop(12)
+    buffer.append(rows[:, 12:40])  # grows, keeping what was committed
+    assert buffer.data is not held and torch.equal(buffer.view(), rows)
+    assert buffer.nbytes() >= rows.numel() * 4
+    buffer.crop(50)  # never longer than what it holds
+    assert buffer.length == 40
