@@ -23,8 +23,15 @@ their own path. The cache's tensors grow into spare capacity (`GrowingBuffer`): 
 and values are written once after the cached ones and the attention reads the buffer in
 place, so a round copies its new positions only, never the history (drafting a 16-node tree
 at a 4K-token context copied about 370 MB a round when each path got its own copy).
+History window. The depths attend to the positions from a base on, not from 0. When the
+last position is two windows past the base, the base moves to one window before it and the
+depths' caches are rebuilt from there (a catch-up of one window per depth, once per window
+of new tokens). This bounds a round's attention, and the first round after a long prompt,
+which would otherwise run every depth over the whole prompt; and it keeps the depths near
+the lengths they were trained on (320 tokens; without positions, attention over far longer
+sequences is not what they learnt). The target's fused states are kept from position 0.
 What it computes at s = T-2 is exactly what `forward_all` computes on the sequence
-x_0 .. x_{T-1}, d_1 .. d_k (tests/test_mtp_cache.py checks it).
+x_base .. x_{T-1}, d_1 .. d_k (tests/test_mtp_cache.py checks it).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from specmtp.errors import SpecMTPError
 from specmtp.heads import Attend, SequentialMTP
 from specmtp.tree import Path, TokenTree
 
+HISTORY_WINDOW = 512  # positions: how far back the depths attend, at least (module docstring)
 _MIN_CAPACITY = 16  # positions a buffer starts with (it then grows by half)
 
 
@@ -109,11 +117,17 @@ class SequentialDraftCache:
     """Per-depth keys, values and states of the committed positions, for one batch of
     sequences of equal length."""
 
-    def __init__(self, heads: SequentialMTP) -> None:
+    def __init__(self, heads: SequentialMTP, *, window: int | None = HISTORY_WINDOW) -> None:
+        if window is not None and window < len(heads.depths):
+            raise SpecMTPError(
+                f"an MTP history window must be >= {len(heads.depths)}, got {window}"
+            )
         self.heads = heads
+        self.window = window
         self.reset()
 
     def reset(self) -> None:
+        self.base = 0  # the first position the depths attend to (module docstring)
         self.fused = GrowingBuffer(1)  # [B, L, H]: depth 0's input at h_0 .. h_{L-1}
         self.unfused: list[torch.Tensor] = []  # [B, m, F] each: features added since
         depths = range(len(self.heads.depths))
@@ -145,7 +159,7 @@ class SequentialDraftCache:
         _ = self.hidden  # fuse what is pending, so that it is cropped too
         self.fused.crop(tokens)
         for i in range(len(self.heads.depths)):
-            self._crop_depth(i, tokens - 1 - i)
+            self._crop_depth(i, tokens - 1 - i - self.base)
 
     def bytes_per_position(self) -> int:
         """Bytes a position may hold at most: its hidden state (the target's features, one
@@ -157,7 +171,7 @@ class SequentialDraftCache:
         return 2 * config.hidden_size * (features + 3 * config.num_heads) * element
 
     def cached(self, depth: int) -> int:
-        """Positions in this depth's cache (0 .. L_i - 1)."""
+        """Positions in this depth's cache (base .. base + L_i - 1)."""
         return self.states[depth].length
 
     def nbytes(self) -> int:
@@ -226,6 +240,21 @@ class SequentialDraftCache:
             raise SpecMTPError(
                 f"the MTP cache holds {known} hidden states; the context needs {last + 1}"
             )
+        self._place_window(last)
+
+    def _place_window(self, last: int) -> None:
+        """Move the base to `window` positions before the last one when the history has
+        grown to twice the window, or when a crop left it past what the deepest depth may
+        run (base <= T-1-K); the depths' caches then start again from it."""
+        if self.window is None:
+            return
+        too_far = last - self.base > 2 * self.window
+        if too_far or self.base > last + 1 - len(self.heads.depths):
+            base = max(0, last - self.window)
+            if base != self.base:
+                self.base = base
+                for i in range(len(self.heads.depths)):
+                    self._crop_depth(i, 0)
 
     def _crop_depth(self, i: int, length: int) -> None:
         for buffer in (self.keys[i], self.values[i], self.states[i]):
@@ -239,20 +268,25 @@ class SequentialDraftCache:
 
         Returns each parent's states at its n positions ([B, n, H] each, what depth i+1
         reads on the parent's children) and the parents' logits at T-2 [m, B, V']."""
-        t = context.shape[1]
-        first = max(0, t - 2 - i)  # P_i; a short context clamps it
-        self._crop_depth(i, first)  # a draft model's crop may have kept more
-        start, m, n = self.cached(i), len(parents), t - 1 - first
-        source = self.hidden if i == 0 else self.states[i - 1].view()
-        assert source is not None and source.shape[1] >= first, "depth i-1 is behind"
+        t, base = context.shape[1], self.base
+        first = max(base, t - 2 - i)  # P_i; a short context clamps it
+        self._crop_depth(i, first - base)  # a draft model's crop may have kept more
+        start, m, n = base + self.cached(i), len(parents), t - 1 - first
+        # What depth i reads at each position: the target's (fused) states, held from
+        # position 0, or depth i-1's, held from the base.
+        source, offset = (self.hidden, 0) if i == 0 else (self.states[i - 1].view(), base)
+        assert source is not None and source.shape[1] >= first - offset, "depth i-1 is behind"
         catch_up = first - start
-        below, tokens = [source[:, start:first]], [context[:, start + 1 + i : first + 1 + i]]
+        below = [source[:, start - offset : first - offset]]
+        tokens = [context[:, start + 1 + i : first + 1 + i]]
         for parent in parents:
             tail = parent.tail if parent.tail is not None else source[:, :0]
-            below.append(torch.cat([source[:, first : t - 1 - tail.shape[1]], tail], 1))
+            below.append(
+                torch.cat([source[:, first - offset : t - 1 - tail.shape[1] - offset], tail], 1)
+            )
             tokens.append(torch.cat([context, parent.drafted], 1)[:, first + 1 + i : t + i])
         # A chain's one path reads what a causal mask shows it: one attention for all rows.
-        mask = None if m == 1 else _path_mask(first, m, n, context.device)
+        mask = None if m == 1 else _path_mask(first - base, m, n, context.device)
         attend = self._attend(i, catch_up, mask)
         state, normed = self.heads.depths[i](
             torch.cat(below, 1), self.heads.embed(torch.cat(tokens, 1)), attend

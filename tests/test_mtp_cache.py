@@ -209,3 +209,29 @@ def test_a_growing_buffer_appends_in_place_and_rolls_back_by_length() -> None:
     assert buffer.nbytes() >= rows.numel() * 4
     buffer.crop(50)  # never longer than what it holds
     assert buffer.length == 40
+
+
+def test_a_window_restarts_the_history_and_drafts_as_teacher_forcing_from_its_base(
+    heads: SequentialMTP, sequence: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    ids, hidden = sequence
+    cache = SequentialDraftCache(heads, window=6)
+    t = 20  # a prompt longer than twice the window: the first round already starts later
+    cache.add_hidden(hidden[:, : t - 1])
+    bases = set()
+    for step in (1, 3, 2, 4, 1, 2, 3):
+        drafted = cache.draft_tree(ids[:, :t], TREE)
+        base = cache.base
+        assert t - 2 - 6 * 2 <= base <= t - 2 - 6  # within two windows of the last position
+        for path in TREE.paths:
+            line = torch.stack([drafted.tokens[path[:d]] for d in range(1, len(path) + 1)], 1)
+            logits = reference(heads, hidden[:, base:], ids[:, base:t], line)[:, -1]
+            ranked = logits.topk(path[-1] + 1).indices
+            assert torch.equal(drafted.tokens[path], heads.to_full_ids(ranked)[:, path[-1]]), path
+        assert [cache.cached(i) for i in range(3)] == [t - 2 - i - base for i in range(3)]
+        bases.add(base)
+        cache.add_hidden(hidden[:, t - 1 : t - 1 + step])
+        t += step
+    assert len(bases) >= 2  # it moved as the history grew
+    with pytest.raises(SpecMTPError, match="window must be >= 3"):
+        SequentialDraftCache(heads, window=2)
