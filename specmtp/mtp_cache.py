@@ -24,10 +24,11 @@ and values are written once after the cached ones and the attention reads the bu
 place, so a round copies its new positions only, never the history (drafting a 16-node tree
 at a 4K-token context copied about 370 MB a round when each path got its own copy).
 History window. The depths attend to the positions from a base on, not from 0. When the
-last position is two windows past the base, the base moves to one window before it and the
-depths' caches are rebuilt from there (a catch-up of one window per depth, once per window
-of new tokens). This bounds a round's attention, and the first round after a long prompt,
-which would otherwise run every depth over the whole prompt; and it keeps the depths near
+last position is two windows past the base (one, with nothing cached: after a prompt), the
+base moves to one window before it and the depths' caches are rebuilt from there (a
+catch-up of one window per depth, once per window of new tokens). This bounds a round's
+attention, and the first round after a long prompt, which would otherwise run every depth
+over the whole prompt; and it keeps the depths near
 the lengths they were trained on (320 tokens; without positions, attention over far longer
 sequences is not what they learnt). The target's fused states are kept from position 0.
 What it computes at s = T-2 is exactly what `forward_all` computes on the sequence
@@ -244,16 +245,18 @@ class SequentialDraftCache:
 
     def _place_window(self, last: int) -> None:
         """Move the base to `window` positions before the last one when the history has
-        grown to twice the window, or when a crop left it past what the deepest depth may
-        run (base <= T-1-K); the depths' caches then start again from it."""
+        grown to twice the window, or to more than one with nothing cached (after a prompt:
+        its first round runs one window, not the whole prompt), or when a crop left it past
+        what the deepest depth may run (base <= T-1-K); the caches then start from it."""
         if self.window is None:
             return
-        too_far = last - self.base > 2 * self.window
-        if too_far or self.base > last + 1 - len(self.heads.depths):
+        depths = range(len(self.heads.depths))
+        limit = self.window if all(self.cached(i) == 0 for i in depths) else 2 * self.window
+        if last - self.base > limit or self.base > last + 1 - len(depths):
             base = max(0, last - self.window)
             if base != self.base:
                 self.base = base
-                for i in range(len(self.heads.depths)):
+                for i in depths:
                     self._crop_depth(i, 0)
 
     def _crop_depth(self, i: int, length: int) -> None:

@@ -233,5 +233,9 @@ def test_a_window_restarts_the_history_and_drafts_as_teacher_forcing_from_its_ba
         cache.add_hidden(hidden[:, t - 1 : t - 1 + step])
         t += step
     assert len(bases) >= 2  # it moved as the history grew
+    fresh = SequentialDraftCache(heads, window=6)
+    fresh.add_hidden(hidden[:, :11])
+    fresh.draft(ids[:, :12], 3)  # a 12-token prompt: the first round starts one window back
+    assert fresh.base == 12 - 2 - 6 and fresh.cached(0) == 6
     with pytest.raises(SpecMTPError, match="window must be >= 3"):
         SequentialDraftCache(heads, window=2)
