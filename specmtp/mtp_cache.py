@@ -46,7 +46,7 @@ from specmtp.errors import SpecMTPError
 from specmtp.heads import Attend, SequentialMTP
 from specmtp.tree import Path, TokenTree
 
-HISTORY_WINDOW = 512  # positions: how far back the depths attend, at least (module docstring)
+HISTORY_WINDOW = 1024  # positions: how far back the depths attend, at least (module docstring)
 _MIN_CAPACITY = 16  # positions a buffer starts with (it then grows by half)
 
 
