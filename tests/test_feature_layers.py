@@ -110,7 +110,8 @@ def test_positions_added_between_drafts_are_fused_once_when_drafting(
     assert len(calls) == 1
     # Counted as held, unfused: the target's three states per position (float32).
     assert cache.nbytes() - before == 4 * hidden.shape[-1] * 4
-    assert cache.bytes_per_position() == target.config.hidden_size * (3 + 3 * 3) * 4
+    # At most: three states, then each depth's key, value, state; twice, for spare capacity.
+    assert cache.bytes_per_position() == 2 * target.config.hidden_size * (3 + 3 * 3) * 4
     drafts, logits = cache.draft(ids[:, :t], 3)  # [1, 3], [1, 3, V']
     assert len(calls) == 2
     with torch.no_grad():  # teacher forcing over all the features: the training computation
