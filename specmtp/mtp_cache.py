@@ -287,7 +287,8 @@ class SequentialDraftCache:
             below.append(
                 torch.cat([source[:, first - offset : t - 1 - tail.shape[1] - offset], tail], 1)
             )
-            tokens.append(torch.cat([context, parent.drafted], 1)[:, first + 1 + i : t + i])
+            # x_{first+1+i} .. x_{T-1+i}: the context's last n tokens and the path's drafts
+            tokens.append(torch.cat([context[:, first + 1 :], parent.drafted], 1)[:, i : i + n])
         # A chain's one path reads what a causal mask shows it: one attention for all rows.
         mask = None if m == 1 else _path_mask(first - base, m, n, context.device)
         attend = self._attend(i, catch_up, mask)
