@@ -28,6 +28,16 @@ def write_atomically(final: Path, write: Callable[[Path], Any]) -> None:
         Path(name).unlink(missing_ok=True)
 
 
+def jsonl_lines(text: str) -> list[tuple[int, str]]:
+    """The non-blank lines of JSON Lines text with their 1-based numbers.
+
+    Split on newlines only: `str.splitlines` also splits on U+2028, U+2029 and other
+    separators that JSON strings may hold unescaped (awesome-chatgpt-prompts has U+2028).
+    """
+    lines = (line.rstrip("\r") for line in text.split("\n"))
+    return [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+
+
 def first_line(exc: BaseException) -> str:
     """An exception's message cut to its first line, for one-line errors."""
     lines = str(exc).strip().splitlines()

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from specmtp.errors import SpecMTPError
+from specmtp.files import jsonl_lines
 
 RANDOM_SUITE = "random"
 RANDOM_SPEC = re.compile(r"random:(\d+)x(\d+)(?::(\d+))?")
@@ -126,16 +127,12 @@ def load_prompts(
     """The prompts of one evaluation file; see the module docstring for the record shapes."""
     _check_selection(limit, per_category)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = jsonl_lines(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise SpecMTPError(f"cannot read prompts file {path}: {reason}") from None
     suite = path.absolute().parent.name or path.stem
-    prompts = [
-        _parse_prompt_line(line, n, suite, f"{path} line {n}")
-        for n, line in enumerate(lines, 1)
-        if line.strip()
-    ]
+    prompts = [_parse_prompt_line(line, n, suite, f"{path} line {n}") for n, line in lines]
     if not prompts:
         raise SpecMTPError(f"prompts file {path} holds no prompts")
     return _select(prompts, limit, per_category)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from specmtp.errors import SpecMTPError
+from specmtp.files import jsonl_lines
 
 _PROMPT_SUFFIXES = (".jsonl", ".json", ".csv", ".txt")
 _TXT_CHUNK_CHARS = 1500
@@ -85,6 +86,13 @@ def _source_texts(source: Path) -> list[str]:
     return _file_texts(source)
 
 
+def _json_line(path: Path, n: int, line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise SpecMTPError(f"cannot read prompt file {path}: line {n}: {exc}") from exc
+
+
 def _file_texts(path: Path) -> list[str]:
     """The prompts of one file; a .txt file is one document, cut into paragraph chunks."""
     try:
@@ -93,7 +101,7 @@ def _file_texts(path: Path) -> list[str]:
         if suffix == ".txt":
             return _paragraph_chunks(text)
         if suffix == ".jsonl":
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+            records = [_json_line(path, n, line) for n, line in jsonl_lines(text)]
         elif suffix == ".json":
             records = json.loads(text)
         else:

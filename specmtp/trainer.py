@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from specmtp.checkpoint import load_latest_checkpoint, save_checkpoint
 from specmtp.data import DistillBatch
+from specmtp.files import jsonl_lines
 from specmtp.parallel import DataParallel
 
 WARMUP_STEPS = 50
@@ -178,8 +179,8 @@ class MetricsLog:
         kept = []
         if path.exists():
             kept = [
-                line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_after
+                line for _, line in jsonl_lines(path.read_text())
+                if json.loads(line).get("step", 0) <= resume_after
             ]  # fmt: skip
         path.write_text("".join(line + "\n" for line in kept))
 

@@ -103,6 +103,24 @@ def test_txt_document_becomes_paragraph_chunks(tmp_path: Path) -> None:
     assert "".join(chunks).count("Paragraph") == 12
 
 
+def test_jsonl_strings_may_hold_line_separators(tmp_path: Path) -> None:
+    # JSON lets U+2028 and U+2029 stand unescaped in a string; str.splitlines splits there.
+    # awesome-chatgpt-prompts has one, and a prompt mix that took it could not be read.
+    prompts = ["first\u2028part", "second\u2029part\x85end", "third"]
+    path = tmp_path / "mix.jsonl"
+    lines = [json.dumps({"prompt": p}, ensure_ascii=False) for p in prompts]
+    path.write_text("\r\n".join(lines) + "\n\n", encoding="utf-8")
+    assert "\u2028" in path.read_text(encoding="utf-8")
+    assert sorted(load_train_prompts([path], seed=0)) == sorted(prompts)
+
+
+def test_a_bad_jsonl_line_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n\n{"prompt": "cut\n', encoding="utf-8")
+    with pytest.raises(SpecMTPError, match=r"bad\.jsonl: line 3: "):
+        load_train_prompts([path], seed=0)
+
+
 @pytest.mark.parametrize(
     ("name", "content", "message"),
     [

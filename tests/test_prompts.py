@@ -144,6 +144,17 @@ def test_bad_lines_name_file_and_line(tmp_path: Path, line: str, message: str) -
     assert "\n" not in str(error.value)
 
 
+def test_line_separators_inside_strings_stay_in_the_prompt(tmp_path: Path) -> None:
+    path = tmp_path / "q.jsonl"
+    records = [{"question": "a\u2028b", "answer": "x"}, {"question": "c\u2029d", "answer": "y"}]
+    lines = [json.dumps(r, ensure_ascii=False) for r in records]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert [(p.question_id, p.text) for p in load_prompts(path)] == [
+        (1, "a\u2028b"),
+        (2, "c\u2029d"),
+    ]
+
+
 def test_empty_and_unreadable_files(tmp_path: Path) -> None:
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n  \n", encoding="utf-8")
