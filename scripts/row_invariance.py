@@ -2,7 +2,10 @@
 it cost? For the default model in bfloat16, stock (Hugging Face's SDPA attention, F.linear)
 against row-invariant (specmtp/invariant.py), with float32 beside for the cost. Usage:
 
-    python scripts/row_invariance.py [--target default] [--sweeps 9]
+    python scripts/row_invariance.py [--target default] [--sweeps 9] [--pad-rows 16]
+
+--pad-rows adds a row-invariant mode whose padded products (the weight shapes that need
+them) run on blocks of that many rows instead of kernels.PAD_ROWS; repeatable.
 
 1. Per mode, greedy continuations of three prompts (64 tokens, one-token steps), then the
    same tokens fed again in chunks of random sizes 1-8 (seeded) after the same prefill:
@@ -20,11 +23,12 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
+from specmtp import kernels
 from specmtp.api import SpecGenerator
 from specmtp.cache import CachedModel
 from specmtp.kernels import stock_kernels
@@ -100,6 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="default")
     parser.add_argument("--sweeps", type=int, default=9)
+    parser.add_argument("--pad-rows", type=int, action="append", default=[])
     args = parser.parse_args()
     torch.set_num_threads(1)
     half = SpecGenerator(load_model(args.target, dtype=torch.bfloat16))
@@ -110,20 +115,30 @@ def main() -> None:
     def stock() -> AbstractContextManager[None]:
         return stock_kernels(target.model)
 
+    @contextmanager
+    def blocks(rows: int) -> Iterator[None]:
+        kept, kernels.PAD_ROWS = kernels.PAD_ROWS, rows
+        try:
+            yield
+        finally:
+            kernels.PAD_ROWS = kept
+
     modes = {"bfloat16 stock": stock, "bfloat16 row-invariant": nullcontext}
+    for rows in args.pad_rows:
+        modes[f"row-invariant, {rows}-row blocks"] = lambda rows=rows: blocks(rows)
     exactness = {}
     for name, mode in modes.items():
         with mode():
             exactness[name] = chunk_differences(target, prompts, random.Random(0))
-    print("mode                      chunks  differing  largest |logit difference|")
+    print("mode                              chunks  differing  largest |logit difference|")
     for name, (chunks, differing, largest) in exactness.items():
-        print(f"{name:<24} {chunks:>7} {differing:>10}  {largest:.4g}")
+        print(f"{name:<32} {chunks:>7} {differing:>10}  {largest:.4g}")
     runners = {"float32": (full.decoder.target, nullcontext)}
     runners |= {name: (target, mode) for name, mode in modes.items()}
     costs = verify_costs(runners, prompts[0], args.sweeps)
     print("\nT(n) ms, n =", " ".join(map(str, ROWS)))
     for name, row in costs.items():
-        print(f"{name:<24}", " ".join(f"{t:6.1f}" for t in row))
+        print(f"{name:<32}", " ".join(f"{t:6.1f}" for t in row))
     print(json.dumps({"rows": ROWS, "exactness": exactness, "verify_ms": costs}))
 
 

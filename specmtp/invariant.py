@@ -23,12 +23,14 @@ holds:
   the model with 2-D inputs: if F.linear gives each row the same bits whatever the row
   count, it is kept, with inputs flattened to 2-D as probed ("flat"; some BLAS builds take
   another kernel for a 3-D input of one row than of several). A shape that fails runs on
-  blocks of exactly PAD_ROWS rows (zero-padded, "padded"), so a row's bits never depend
-  on the others. Shapes are probed one by one because padding costs: a padded product
-  costs what 16 rows do, about 2.5 one-row products in bfloat16 on an AMD EPYC, where of
-  the default model's five weight shapes only the 576 x 1536 down projection fails
-  (smaller blocks of it would fail too: the call size at which a row first loses its
-  one-row bits depends on the data; scripts/product_probe.py). None passing, the model is
+  blocks of exactly PAD_ROWS (8) rows (zero-padded, "padded"), so a row's bits never
+  depend on the others. Shapes are probed one by one because padding costs: a padded
+  product costs what 8 rows do, about 1.8 one-row products in bfloat16 on an AMD EPYC,
+  where of the default model's five weight shapes only the 576 x 1536 down projection
+  fails (F.linear on fewer rows would not do: the call size at which a row first loses its
+  one-row bits depends on the data; scripts/product_probe.py). Blocks of 4, 8 and 16 rows
+  all pass there; 8 serves a plain step and a verify pass of up to 8 rows with one block
+  (scripts/product_kinds.py, docs/exact-bfloat16.md). None passing, the model is
   refused.
 
 Everything else in a decoder layer (norms, rotary embeddings, activations) works row by row.
@@ -48,11 +50,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from specmtp.errors import SpecMTPError
-from specmtp.kernels import PAD_ROWS, invariant_linear, kernel_plan, use_tuned_linear
+from specmtp.kernels import invariant_linear, kernel_plan, use_tuned_linear
 
 ATTENTION = "specmtp_row_invariant"
 MAX_LOOP_ROWS = 32  # query rows computed one by one; longer inputs (prompts) use the fused kernel
-PROBE_ROWS = 2 * PAD_ROWS
+PROBE_ROWS = MAX_LOOP_ROWS  # products are probed at every row count a verify pass may hold
 # Attention features some models pass that the per-row loop does not apply: refused, not ignored.
 UNSUPPORTED = ("softcap", "s_aux", "sinks", "sliding_window")
 
@@ -186,7 +188,7 @@ def rows_invariant(weight: torch.Tensor, *, product: str = "flat", seed: int = 0
 
 def invariant_product(weight: torch.Tensor) -> str | None:
     """The cheaper row-invariant product for `weight` that passes its probe: F.linear
-    ("flat"), else 16-row padded blocks ("padded"); None if neither passes."""
+    ("flat"), else padded blocks of PAD_ROWS rows ("padded"); None if neither passes."""
     return next((p for p in ("flat", "padded") if rows_invariant(weight, product=p)), None)
 
 

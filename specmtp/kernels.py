@@ -103,7 +103,9 @@ def transposed_linear(
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-PAD_ROWS = 16  # the block height of padded products
+# The block height of padded products: one block serves a plain step and a verify pass of
+# up to 8 rows (16 cost a plain step 4% more on an AMD EPYC; docs/exact-bfloat16.md).
+PAD_ROWS = 8
 
 
 def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -146,7 +148,7 @@ def invariant_linear(
 ) -> torch.Tensor:
     """x @ W^T + b by one of the row-invariant products (TunedLinear.invariant_product):
     F.linear on 2-D rows ("flat"; some BLAS builds take another kernel for a 3-D input of
-    one row than of several) or padded 16-row blocks ("padded")."""
+    one row than of several) or padded blocks of PAD_ROWS rows ("padded")."""
     if product == "padded":
         return padded_linear(x, weight, bias)
     out = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
