@@ -1,4 +1,5 @@
-"""Small helpers for the files specmtp writes (heads, drafts, data caches, kernel plans)."""
+"""Small helpers for the files specmtp writes (heads, drafts, data caches, kernel plans)
+and the JSON Lines files it reads (prompts, metrics)."""
 
 from __future__ import annotations
 
