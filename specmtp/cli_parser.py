@@ -332,7 +332,11 @@ def _add_distill_command(commands: argparse._SubParsersAction) -> None:
     distill.add_argument("--objective", choices=OBJECTIVES, default=defaults["objective"])
     distill.add_argument("--init", choices=["target", "random"], default=defaults["init"])
     distill.add_argument("--init-from", type=Path, help="a draft directory to continue training")
-    distill.add_argument("--cache", type=Path, help="data cache directory (default OUT/data)")
+    distill.add_argument(
+        "--cache", type=Path,
+        help="data cache directory (default OUT/data); a train-mtp cache of the same prompts, "
+        "answer length and top-k serves as it is",
+    )  # fmt: skip
     distill.add_argument(
         "--data-only", action="store_true",
         help="build (or finish) the data cache, then stop without training",

@@ -109,6 +109,27 @@ def build_cache(
     return DistillCache.open(directory)
 
 
+def finished_cache(
+    model: LoadedModel, prompts: Sequence[str], directory: Path, *, config: DistillConfig
+) -> DistillCache | None:
+    """The finished cache in `directory` when it holds `model`'s answers to `prompts` built
+    as `config` says, whatever hidden states it keeps beside them: a `train-mtp` cache (other
+    feature layers) serves `distill`, which reads tokens and top-k only. None otherwise;
+    `build_cache` then builds, resumes or refuses as usual."""
+    if not (directory / MANIFEST).is_file():
+        return None
+    manifest = read_manifest(directory)
+    loose = ("store_hidden", "feature_layers")
+    found = {k: v for k, v in manifest["settings"].items() if k not in loose}
+    wanted = {k: v for k, v in config.content_settings().items() if k not in loose}
+    same_prompts = manifest.get("num_samples") == len(prompts) and manifest.get(
+        "prompts_sha256"
+    ) == sha256(json.dumps(list(prompts)).encode())
+    if found != wanted or not same_prompts:
+        return None
+    return DistillCache.open(directory, model=model)
+
+
 def _ensure_shard(
     model: LoadedModel, prompts: Sequence[str], config: DistillConfig, *, key: str, path: Path
 ) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from specmtp.cache import CachedModel
 from specmtp.costmodel import measure_verify_costs
 from specmtp.data import DistillBatch, is_heldout, iter_batches, model_fingerprint
-from specmtp.data_build import DistillConfig, build_cache
+from specmtp.data_build import DistillConfig, build_cache, finished_cache
 from specmtp.draft_model import (
     DraftConfig,
     DraftLM,
@@ -205,7 +205,7 @@ def _prepare_data(config: DistillTrainConfig, target: LoadedModel) -> _Data:
         config.sources, limit_per_source=config.limit_per_source, seed=config.seed
     )
     settings = DistillConfig(max_new_tokens=config.max_new_tokens, topk=config.topk)
-    cache = build_cache(
+    cache = finished_cache(target, prompts, config.data_dir, config=settings) or build_cache(
         target, prompts, config.data_dir, config=settings, sources=[str(s) for s in config.sources]
     )
     counts = answer_token_counts(cache, config.heldout_fraction)

@@ -16,7 +16,8 @@ import torch
 from conftest import run_cli
 from safetensors.torch import load_file
 
-from specmtp.data import DistillBatch, DistillCache, is_heldout
+from specmtp.data import MANIFEST, DistillBatch, DistillCache, is_heldout
+from specmtp.data_build import DistillConfig, build_cache
 from specmtp.distill import (
     DistillReport,
     DistillTrainConfig,
@@ -29,6 +30,7 @@ from specmtp.errors import SpecMTPError
 from specmtp.heads import VocabProjection
 from specmtp.models import LoadedModel, load_model
 from specmtp.text_data import tokenize_chunks
+from specmtp.train_prompts import load_train_prompts
 
 PROMPTS = [f"Question {i}: list {i} colours, then count them one by one." for i in range(16)]
 TEXT = (
@@ -154,6 +156,24 @@ def test_interrupted_distillation_resumes_to_the_same_draft(
 
     other = config(tiny_target, prompts, resumed, steps=8, cache=data, lr=1e-3)
     with pytest.raises(SpecMTPError, match="another run"):
+        train_draft(other)
+
+
+def test_a_heads_cache_with_other_hidden_states_serves_distillation(
+    loaded: LoadedModel, tiny_target: Path, prompts: Path, tmp_path: Path
+) -> None:
+    """`train-mtp` caches keep hidden states of chosen layers; distillation reads only the
+    answers and top-k, so such a cache is used as it is (not rebuilt, not refused). A cache
+    whose answers or top-k differ is still refused."""
+    data = tmp_path / "heads-data"
+    settings = DistillConfig(max_new_tokens=12, topk=8, feature_layers=(1, 2))
+    build_cache(loaded, load_train_prompts([prompts]), data, config=settings)
+    manifest = (data / MANIFEST).read_text()
+    report = train_draft(config(tiny_target, prompts, tmp_path / "run", steps=2, cache=data))
+    assert (data / MANIFEST).read_text() == manifest
+    assert report.tokens == DistillCache.open(data).manifest["num_tokens"]
+    other = config(tiny_target, prompts, tmp_path / "other", steps=2, cache=data, topk=4)
+    with pytest.raises(SpecMTPError, match="different settings"):
         train_draft(other)
 
 
