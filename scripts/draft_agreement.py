@@ -1,8 +1,9 @@
 """How often draft models agree with the target's own greedy answers, per group,
 teacher-forced: the target answers each prompt greedily (plain decoding, in --dtype), then
 each draft reads prompt and answer in one forward and its argmax at every position that
-predicts an answer token is compared with that token. This is the acceptance a one-token
-chain (`DRAFT@1`) would see if every draft step had the same context.
+predicts an answer token is compared with that token (for MTP heads, the token 2, 3, ...
+ahead). The LM head's figure is the acceptance a one-token chain (`DRAFT@1`) would see if
+every draft step had the same context.
 
     python scripts/draft_agreement.py --prompts PROMPTS.jsonl --max-new-tokens 64 \
         --draft distilled --draft draft:DIR [--dtype bfloat16]
@@ -24,20 +25,30 @@ from specmtp.draft_model import DraftLM, load_draft, shipped_drafts_dir
 from specmtp.models import DTYPES, load_model
 
 
-def agreement(draft: DraftLM, ids: list[int], prompt_len: int) -> tuple[int, int]:
-    """(hits, rows) over the rows predicting an answer token: row t predicts ids[t + 1]."""
+def agreement(draft: DraftLM, ids: list[int], prompt_len: int) -> list[tuple[int, int]]:
+    """(hits, rows) for the LM head, then for each MTP head: row t of the LM head predicts
+    ids[t + 1], of head i ids[t + 2 + i]; only rows predicting an answer token count."""
     x = torch.tensor([ids])
     with torch.no_grad():
-        predicted = draft(x, use_cache=False).logits[0].argmax(-1)
-    rows = list(range(prompt_len - 1, len(ids) - 1))
-    truth = x[0, [t + 1 for t in rows]]
-    return int((predicted[rows] == truth).sum()), len(rows)
+        hidden = draft.hidden(x)
+        predicted = [draft.projection.to_full_logits(draft.projection(hidden))[0].argmax(-1)]
+        if draft.heads is not None:
+            for logits in draft.head_logits(hidden)[0]:
+                predicted.append(draft.projection.to_full_ids(logits.argmax(-1)))
+    result = []
+    for ahead, guesses in enumerate(predicted, start=1):
+        rows = [t for t in range(len(ids)) if prompt_len <= t + ahead < len(ids)]
+        truth = x[0, [t + ahead for t in rows]]
+        result.append((int((guesses[rows] == truth).sum()), len(rows)))
+    return result
 
 
 def draft_dir(spec: str) -> str:
     """`draft:DIR` or the name of a shipped draft."""
-    return spec.removeprefix("draft:") if spec.startswith("draft:") else str(
-        shipped_drafts_dir() / spec
+    return (
+        spec.removeprefix("draft:")
+        if spec.startswith("draft:")
+        else str(shipped_drafts_dir() / spec)
     )
 
 
@@ -55,19 +66,25 @@ def main() -> None:
     base = GenerationConfig(max_new_tokens=args.max_new_tokens)
     ar = bench_runners.build_runner("ar", target, base)
     selection = bench.BenchConfig(prompts=(args.prompts,), limit=args.limit)
-    counts: dict[str, list[list[int]]] = defaultdict(lambda: [[0, 0] for _ in drafts])
+    # [group][draft][LM head, heads...] -> [hits, rows]
+    counts: dict[str, list[list[list[int]]]] = defaultdict(
+        lambda: [[[0, 0] for _ in range(1 + d.draft_config.mtp_heads)] for d in drafts]
+    )
     for prompt in bench._load_prompts(selection, target):
         ids = bench._encode(ar.gen, prompt)
         answer, _ = ar.run(ids, base)
         scores = [agreement(draft, ids + answer, len(ids)) for draft in drafts]
         for group in (prompt.group, "all"):
-            for k, (hits, rows) in enumerate(scores):
-                counts[group][k][0] += hits
-                counts[group][k][1] += rows
-    print("next-token agreement, teacher-forced, for each --draft in order:", " | ".join(args.draft))
+            for k, per_head in enumerate(scores):
+                for i, (hits, rows) in enumerate(per_head):
+                    counts[group][k][i][0] += hits
+                    counts[group][k][i][1] += rows
+    print("top-1 agreement, teacher-forced, for each --draft in order (LM head, then its MTP")
+    print("heads' tokens 2, 3, ... ahead):", " | ".join(args.draft))
     for group, per_draft in counts.items():
-        cells = [f"{h / max(n, 1):.3f}" for h, n in per_draft]
-        print(f"{group:28s} " + "  ".join(cells) + f"   ({per_draft[0][1]} positions)", flush=True)
+        cells = [" ".join(f"{h / max(n, 1):.3f}" for h, n in heads) for heads in per_draft]
+        line = f"{group:28s} " + "  |  ".join(cells)
+        print(line + f"   ({per_draft[0][0][1]} positions)", flush=True)
 
 
 if __name__ == "__main__":
