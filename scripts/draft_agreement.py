@@ -21,7 +21,8 @@ import torch
 
 from specmtp import bench, bench_runners
 from specmtp.config import GenerationConfig
-from specmtp.draft_model import DraftLM, load_draft, shipped_drafts_dir
+from specmtp.draft_model import DraftLM
+from specmtp.drafter_specs import load_small_draft
 from specmtp.models import DTYPES, load_model
 
 
@@ -43,15 +44,6 @@ def agreement(draft: DraftLM, ids: list[int], prompt_len: int) -> list[tuple[int
     return result
 
 
-def draft_dir(spec: str) -> str:
-    """`draft:DIR` or the name of a shipped draft."""
-    return (
-        spec.removeprefix("draft:")
-        if spec.startswith("draft:")
-        else str(shipped_drafts_dir() / spec)
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", required=True)
@@ -62,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     target = load_model("default", dtype=DTYPES[args.dtype])
-    drafts = [load_draft(draft_dir(s), target=target.model).eval() for s in args.draft]
+    drafts = [load_small_draft(spec, target).eval() for spec in args.draft]
     base = GenerationConfig(max_new_tokens=args.max_new_tokens)
     ar = bench_runners.build_runner("ar", target, base)
     selection = bench.BenchConfig(prompts=(args.prompts,), limit=args.limit)

@@ -83,7 +83,7 @@ def build_cache(
         "format": FORMAT,
         "model": {"spec": model.spec, "fingerprint": model_fingerprint(model)},
         "settings": config.content_settings(),
-        "prompts_sha256": sha256(json.dumps(list(prompts)).encode()),
+        "prompts_sha256": _prompts_digest(prompts),
         "num_samples": len(prompts),
     }
     directory.mkdir(parents=True, exist_ok=True)
@@ -113,21 +113,28 @@ def finished_cache(
     model: LoadedModel, prompts: Sequence[str], directory: Path, *, config: DistillConfig
 ) -> DistillCache | None:
     """The finished cache in `directory` when it holds `model`'s answers to `prompts` built
-    as `config` says, whatever hidden states it keeps beside them: a `train-mtp` cache (other
-    feature layers) serves `distill`, which reads tokens and top-k only. None otherwise;
-    `build_cache` then builds, resumes or refuses as usual."""
+    as `config` says but keeps other hidden states beside them: a `train-mtp` cache (other
+    feature layers) serves `distill`, which reads tokens and top-k only. None otherwise
+    (an exact match included); `build_cache` then builds, resumes or refuses as usual."""
     if not (directory / MANIFEST).is_file():
         return None
     manifest = read_manifest(directory)
+    found, wanted = manifest["settings"], config.content_settings()
     loose = ("store_hidden", "feature_layers")
-    found = {k: v for k, v in manifest["settings"].items() if k not in loose}
-    wanted = {k: v for k, v in config.content_settings().items() if k not in loose}
-    same_prompts = manifest.get("num_samples") == len(prompts) and manifest.get(
-        "prompts_sha256"
-    ) == sha256(json.dumps(list(prompts)).encode())
-    if found != wanted or not same_prompts:
+    same_answers = {k: v for k, v in found.items() if k not in loose} == {
+        k: v for k, v in wanted.items() if k not in loose
+    }
+    same_prompts = (manifest.get("num_samples"), manifest.get("prompts_sha256")) == (
+        len(prompts),
+        _prompts_digest(prompts),
+    )
+    if found == wanted or not same_answers or not same_prompts:
         return None
     return DistillCache.open(directory, model=model)
+
+
+def _prompts_digest(prompts: Sequence[str]) -> str:
+    return sha256(json.dumps(list(prompts)).encode())
 
 
 def _ensure_shard(
