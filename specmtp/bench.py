@@ -222,6 +222,10 @@ class BenchResult:
             # the products of row-invariant half-precision forwards: "flat", "padded", or
             # per weight shape ("flat, padded for 576x1536")
             "row_invariant": None if self.kernel_plan is None else self.kernel_plan.row_invariant,
+            # what computes their attention: "native (attention.c)" or "torch, row by row"
+            "row_invariant_attention": None
+            if self.kernel_plan is None
+            else self.kernel_plan.row_invariant_attention,
         }
 
     def to_dict(self) -> dict[str, Any]:

@@ -41,7 +41,7 @@ a prompt through the same single forward, so they still agree.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -49,6 +49,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from specmtp import native
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import invariant_linear, kernel_plan, use_tuned_linear
 
@@ -87,6 +88,9 @@ def row_invariant_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    kernel = native.attention_kernel()
+    if kernel is not None and _kernel_takes(query, key, value):
+        return _native_attention(kernel, query, key, value, attention_mask, scale), None
     groups = query.shape[1] // key.shape[1]  # query heads per key head (GQA)
     per_batch = []
     for b in range(batch):
@@ -103,6 +107,111 @@ def row_invariant_attention(
         per_batch.append(torch.stack(rows))  # [n, Hkv, G, d]
     out = torch.stack(per_batch).flatten(2, 3)  # [B, n, H, d]
     return out.to(query.dtype), None
+
+
+def kernel_takes(*, head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> bool:
+    """Whether attention.c (native.py) takes attention of these shapes and dtype. Neither
+    the row count nor the keys' count matters, so plain steps and verify passes of a model
+    always take the same path."""
+    groups = heads // kv_heads
+    return (
+        dtype in native.KERNEL_DTYPES
+        and head_dim % native.KERNEL_LANES == 0
+        and head_dim <= native.KERNEL_MAX_D
+        and groups <= native.KERNEL_LANES
+        and groups * kv_heads == heads
+    )
+
+
+def attention_path(model: nn.Module) -> str:
+    """What computes `model`'s row-invariant attention here, for reports."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = next(model.parameters()).dtype
+    takes = kernel_takes(head_dim=head_dim, heads=heads, kv_heads=kv_heads, dtype=dtype)
+    return native.kernel_name() if takes else "torch, row by row"
+
+
+def _kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    return (
+        query.dtype == key.dtype == value.dtype
+        and value.shape[-1] == query.shape[-1]
+        and kernel_takes(
+            head_dim=query.shape[-1], heads=query.shape[1], kv_heads=key.shape[1], dtype=key.dtype
+        )
+    )
+
+
+def _native_attention(
+    kernel: Callable[..., int],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """row_invariant_attention's result, every row of a batch row in one call of the kernel."""
+    batch, heads, n, d = query.shape
+    out = query.new_empty(batch, n, heads, d)  # [B, n, H, d]
+    for b in range(batch):
+        queries, keys, values = (_last_contiguous(t[b]) for t in (query, key, value))
+        prefix, start, extras = _kernel_rows(mask, b, n, key.shape[2])
+        failed = kernel(
+            queries.data_ptr(),
+            queries.dtype == torch.bfloat16,
+            *queries.stride()[:2],
+            scale,
+            keys.data_ptr(),
+            values.data_ptr(),
+            keys.dtype == torch.bfloat16,
+            *keys.stride()[:2],
+            *values.stride()[:2],
+            n,
+            heads,
+            keys.shape[0],
+            d,
+            prefix.data_ptr(),
+            start.data_ptr(),
+            extras.data_ptr(),
+            out[b].data_ptr(),
+            out.dtype == torch.bfloat16,
+        )
+        if failed:
+            raise SpecMTPError(f"the attention kernel failed (code {failed}): out of memory?")
+    return out
+
+
+def _last_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+KernelRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# The kernel's reading of the visible keys (_kernel_rows), per (batch row, n, S): for the
+# causal case, and for the mask _last_mask holds (its entries go stale with it).
+_kernel_rows_read: tuple[object, dict[tuple[int, int, int], KernelRows]] = (None, {})
+
+
+def _kernel_rows(mask: torch.Tensor | None, b: int, n: int, length: int) -> KernelRows:
+    """_visible_keys as the kernel reads them: int64 prefix [n], extra_start [n + 1] and the
+    extras [m] (row r's are extras[extra_start[r]:extra_start[r + 1]])."""
+    global _kernel_rows_read
+    visible = None if mask is None else _visible_keys(mask, b, n, length)  # refreshes _last_mask
+    owner = None if mask is None else _last_mask
+    if _kernel_rows_read[0] is not owner or len(_kernel_rows_read[1]) > 64:
+        _kernel_rows_read = (owner, {})
+    read = _kernel_rows_read[1]
+    if (b, n, length) not in read:
+        rows = visible if visible is not None else _visible_keys(None, b, n, length)
+        counts = [0 if extra is None else extra.numel() for _, extra in rows]
+        extras = [extra for _, extra in rows if extra is not None]
+        read[b, n, length] = (
+            torch.tensor([prefix for prefix, _ in rows], dtype=torch.int64),
+            torch.tensor([0, *counts], dtype=torch.int64).cumsum(0),
+            torch.cat(extras).to(torch.int64) if extras else torch.zeros(1, dtype=torch.int64),
+        )
+    return read[b, n, length]
 
 
 class _RowKeys:
@@ -203,6 +312,7 @@ def use_row_invariant(model: nn.Module) -> str:
     if model.config._attn_implementation != ATTENTION:
         plan.stock_attention = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION)
+    plan.row_invariant_attention = attention_path(model)
     for products in _product_choices(weights):
         for layer in layers:
             layer.invariant_product = products[layer.weight.shape, layer.weight.dtype]

@@ -75,9 +75,11 @@ class KernelPlan:
     # Set by invariant.use_row_invariant: what its products are ("flat", "padded", or per
     # weight shape, e.g. "flat, padded for 576x1536"), each layer's own for every row
     # count, which measurements and profiles leave alone; and the attention the model had
-    # before (restored by stock_kernels).
+    # before (restored by stock_kernels); and what computes the row-invariant attention
+    # (invariant.attention_path).
     row_invariant: str | None = None
     stock_attention: str | None = None
+    row_invariant_attention: str | None = None
 
     def strategy(self, rows: int) -> str:
         if self.disabled:

@@ -37,9 +37,15 @@ SHIPPED_NEW_TOKENS = 48
 
 
 def tiny_model(
-    arch: str, *, seed: int, vocab_size: int = TINY_VOCAB, context: int = 256
+    arch: str,
+    *,
+    seed: int,
+    vocab_size: int = TINY_VOCAB,
+    context: int = 256,
+    head_dim: int | None = None,
 ) -> PreTrainedModel:
-    """A small random causal LM of the given architecture, in eval mode."""
+    """A small random causal LM of the given architecture, in eval mode; Llama and Qwen2
+    heads are hidden_size / heads = 8 wide unless `head_dim` says otherwise."""
     torch.manual_seed(seed)
     common = {
         "vocab_size": vocab_size,
@@ -59,6 +65,7 @@ def tiny_model(
             num_key_value_heads=2,
             intermediate_size=64,
             max_position_embeddings=context,
+            **({} if head_dim is None else {"head_dim": head_dim}),
             **common,
         )
         model = model_class(config)

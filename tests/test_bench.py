@@ -199,6 +199,7 @@ def test_config(greedy: tuple[str, str, dict[str, Any]], questions: Path) -> Non
     assert set(config["kernel_plan"]) == {str(n) for n in range(1, 9)}
     assert config["kernel_layout"] in ("out-major", "in-major")
     assert config["row_invariant"] is None  # float32 takes the measured fastest kernels
+    assert config["row_invariant_attention"] is None
     assert greedy[2]["by_temperature"].keys() == {"0.0"}
     assert greedy[2]["context_sweep"] == [] and greedy[2]["gamma_sweep"] == {}
 

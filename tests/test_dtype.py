@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import run_cli
 
+from specmtp import native
 from specmtp.api import SpecGenerator
 from specmtp.bench import BenchConfig
 from specmtp.errors import SpecMTPError
@@ -57,6 +58,8 @@ def test_a_bfloat16_bench_is_row_invariant_and_lossless(capfd: pytest.CaptureFix
     assert report["config"]["dtype"] == "bfloat16"
     # "flat", "padded", or per weight shape ("flat, padded for 576x1536")
     assert report["config"]["row_invariant"].split(",")[0] in ("flat", "padded")
+    # the default model's 64-wide heads take the C kernel wherever it could be built
+    assert report["config"]["row_invariant_attention"] == native.kernel_name()
     for name, method in report["methods"].items():
         assert method["greedy_mismatches"] == 0, name
     assert report["methods"]["mtp@3"]["mean_accepted_tokens"] > 1.0
