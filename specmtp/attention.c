@@ -132,6 +132,7 @@ static inline __attribute__((always_inline)) void accumulate(
         load_row(row, v, h, own_keys[t], dv);
         for (int c = 0; c < dv; c++) o[c] = o[c] + tail[t][g] * row[c];
     }
+    sum = sum > 0.0f ? sum : 1.0f; /* a row that sees no key (padding) gets zeros */
     for (int c = 0; c < dv; c++) out[c] = o[c] / sum;
 }
 

@@ -11,13 +11,22 @@ holds:
 
 - Attention. A fused kernel computes a block of queries at once, and masked-out keys change
   the length of its reductions. Here, in the decode phase (at most MAX_LOOP_ROWS query
-  rows), each query row is computed alone over exactly the keys it may see, in cache order:
-  the same calls, on the same shapes, as a one-token step. A tree's rows gather their
-  ancestors' keys, which sit where a chain would have put them. The row's attention is
-  written out in float32 (two batched products over the key heads and a softmax) rather
-  than a call of SDPA: the CPU's fused kernel costs about 0.12 ms a call for one query,
-  which made every extra verify row cost about 7% of a one-token step (30 layers, default
-  model, 120-token context); written out, about 1.5% (docs/exact-bfloat16.md).
+  rows), each query row gets what it would get computed alone over exactly the keys it
+  may see, in cache order. A tree's rows see their ancestors' keys, which sit where a
+  chain would have put them. Two ways:
+  - attention.c (compiled by native.py where there is a C compiler, for head sizes a
+    multiple of 16): all rows of a layer in one call, every score, exponential and sum
+    by one fixed sequence of rounded operations whatever else the call holds, the keys
+    the rows share read once. About 2.4 ms a one-token step of the default model after
+    250 tokens and 3.3 ms for 4 rows, against 3.9 and 7.3 ms for the loop below
+    (scripts/verify_row_profile.py; docs/exact-bfloat16.md).
+  - Otherwise a loop over the rows: the same calls, on the same shapes, as a one-token
+    step, written out in float32 (two batched products over the key heads and a softmax)
+    rather than a call of SDPA: the CPU's fused kernel costs about 0.12 ms a call for one
+    query, which made every extra verify row cost about 7% of a one-token step (30 layers,
+    default model, 120-token context); written out, about 1.5%.
+  A process takes one of the two for every forward of a model, so its plain steps and its
+  verify passes agree.
 - Matrix products. A BLAS may pick its algorithm (and so its order of additions) by the
   number of rows, or by the input's rank. `use_row_invariant` probes every weight shape of
   the model with 2-D inputs: if F.linear gives each row the same bits whatever the row

@@ -57,7 +57,7 @@ def attention_kernel() -> ctypes._CFuncPtr | None:
     if os.environ.get(ENABLE, "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    if compiler is None or not SOURCE.exists():
         return None
     library = _build(compiler)
     if library is None:

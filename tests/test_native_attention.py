@@ -146,3 +146,16 @@ def test_speculative_greedy_output_with_the_kernel_equals_plain_decoding(
     done = spec.generate(prompt, max_new_tokens=80, gamma=4)
     assert done.tokens == expected.tokens
     assert 0 < done.stats.accepted_tokens < done.stats.drafted_tokens
+
+
+def test_a_row_that_sees_no_key_gets_zeros_as_in_the_torch_loop() -> None:
+    """A padded batch row's query may see nothing: zeros (not 0 / 0) on both paths."""
+    generator = torch.Generator().manual_seed(4)
+    for d in (16, 8):  # the kernel's width, then the loop's
+        query = torch.randn(1, 2, 3, d, generator=generator)
+        key, value = (torch.randn(1, 1, 10, d, generator=generator) for _ in "kv")
+        visible = torch.ones(3, 10, dtype=torch.bool).tril(diagonal=7)
+        visible[1] = False
+        out = _attend(query, key, value, visible)  # [1, 3, 2, d]
+        assert torch.equal(out[0, 1], torch.zeros(2, d)), d
+        assert out[0, [0, 2]].abs().sum() > 0
