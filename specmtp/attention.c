@@ -30,6 +30,7 @@ for shapes it does not take.
 
 #define LANES 16
 #define MAX_D 256
+#define VALUES 128 /* values converted and summed as a block */
 
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -119,21 +120,24 @@ static int64_t key_at(int r, int64_t t, int64_t pmin, const int64_t *prefix, con
     return t < own ? pmin + t : extras[start[r] + t - own];
 }
 
-/* Query j's output: exp * value summed in key order (the shared keys', then its row's own),
-divided by the sum of the exps. Inlined with a constant dv where it can be. */
-static inline __attribute__((always_inline)) void accumulate(
-    int dv, int j, int packs, int64_t pmin, const vf *shared, const vf *values, const vf *tail,
-    int64_t own, const int64_t *own_keys, Tensor v, int h, int g, float sum, vf *row, vf *out) {
-    vf o[MAX_D / LANES] = {{0}};
-    const float *e = (const float *)(shared + j / LANES) + j % LANES;
-    for (int64_t i = 0; i < pmin; i++)
-        for (int c = 0; c < dv; c++) o[c] = o[c] + e[i * packs * LANES] * values[i * dv + c];
-    for (int64_t t = 0; t < own; t++) {
-        load_row(row, v, h, own_keys[t], dv);
-        for (int c = 0; c < dv; c++) o[c] = o[c] + tail[t][g] * row[c];
-    }
-    sum = sum > 0.0f ? sum : 1.0f; /* a row that sees no key (padding) gets zeros */
-    for (int c = 0; c < dv; c++) out[c] = o[c] / sum;
+/* o += e[u * stride] * value u, for the count values of a block, in order. Inlined with a
+constant dv where it can be, so o stays in registers. */
+static inline __attribute__((always_inline)) void add_values(int dv, vf *o_out, const float *e,
+                                                             int64_t stride, const vf *values,
+                                                             int64_t count) {
+    vf o[MAX_D / LANES];
+    for (int c = 0; c < dv; c++) o[c] = o_out[c];
+    for (int64_t u = 0; u < count; u++)
+        for (int c = 0; c < dv; c++) o[c] = o[c] + e[u * stride] * values[u * dv + c];
+    for (int c = 0; c < dv; c++) o_out[c] = o[c];
+}
+
+static void add_values_any(int dv, vf *o, const float *e, int64_t stride, const vf *values,
+                           int64_t count) {
+    if (dv == 4)
+        add_values(4, o, e, stride, values, count);
+    else
+        add_values(dv, o, e, stride, values, count);
 }
 
 /* One key head: its G query heads over the n rows. Returns 0, or 1 when out of memory. */
@@ -148,17 +152,18 @@ static int attend_head(Tensor q, float scale, Tensor k, Tensor v, int n, int hea
        the shared keys, and in lane j % G of its row's pack for the row's own keys. */
     vf *qt = aligned_alloc(64, sizeof(vf) * (size_t)(packs + n) * d);
     vf *shared = aligned_alloc(64, sizeof(vf) * ((size_t)pmin * packs + 1)); /* [pmin, packs] */
-    vf *values = aligned_alloc(64, sizeof(vf) * ((size_t)pmin * dv + 1));   /* [pmin, dv] */
+    vf *values = aligned_alloc(64, sizeof(vf) * VALUES * (size_t)dv);        /* a block's */
+    vf *acc = aligned_alloc(64, sizeof(vf) * (size_t)nq * dv);              /* [nq, dv] */
     vf *tail = aligned_alloc(64, sizeof(vf) * ((size_t)tails + 1));         /* row by row */
     vf *rows = aligned_alloc(64, sizeof(vf) * KEYS * (size_t)dv);           /* [KEYS, dv] */
-    vf *result = aligned_alloc(64, sizeof(vf) * (size_t)dv);
     int64_t *own_keys = malloc(sizeof(int64_t) * ((size_t)tails + 1));
     float *maxes = malloc(sizeof(float) * (size_t)(packs + n) * LANES);
     vf *sums = aligned_alloc(64, sizeof(vf) * (size_t)packs);
-    int failed = !qt || !shared || !values || !tail || !rows || !result || !own_keys || !maxes
-                 || !sums;
+    int failed = !qt || !shared || !values || !acc || !tail || !rows || !own_keys
+                 || !maxes || !sums;
     if (failed) goto done;
     memset(qt, 0, sizeof(vf) * (size_t)(packs + n) * d);
+    memset(acc, 0, sizeof(vf) * (size_t)nq * dv);
     for (int j = 0; j < nq; j++) {
         int64_t offset = (h * groups + j % groups) * q.head + (j / groups) * q.row;
         for (int c = 0; c < d; c++) {
@@ -205,18 +210,26 @@ static int attend_head(Tensor q, float scale, Tensor k, Tensor v, int n, int hea
     for (int r = 0; r < n; r++)
         for (int l = 0; l < LANES; l++)
             maxes[(packs + r) * LANES + l] = l < groups ? maxes[r * groups + l] : 0.0f;
-    /* exp(score - max) in place; the shared ones summed lane by lane in key order. The
-       shared values converted once. */
+    /* exp(score - max) in place; the shared ones summed lane by lane in key order. */
     for (int p = 0; p < packs; p++) sums[p] = broadcast(0.0f);
-    for (i = 0; i < pmin; i++) {
+    for (i = 0; i < pmin; i++)
         for (int p = 0; p < packs; p++) {
             vf top;
             memcpy(&top, maxes + p * LANES, sizeof top);
             shared[i * packs + p] = exp_lanes(shared[i * packs + p] - top);
             sums[p] = sums[p] + shared[i * packs + p];
         }
-        load_row(values + i * dv, v, h, i, dv);
+    /* exp * value over the shared keys, block by block (each block's values converted once
+       and still in cache for every query), in key order for each query. */
+    for (int64_t first = 0; first < pmin; first += VALUES) {
+        int64_t count = pmin - first < VALUES ? pmin - first : VALUES;
+        for (int64_t u = 0; u < count; u++) load_row(values + u * dv, v, h, first + u, dv);
+        for (int j = 0; j < nq; j++) {
+            const float *e = (const float *)(shared + first * packs + j / LANES) + j % LANES;
+            add_values_any(dv, acc + j * dv, e, (int64_t)packs * LANES, values, count);
+        }
     }
+    /* Then each row's own keys, in order; the sums finished; the outputs divided. */
     at = 0;
     for (int r = 0; r < n; r++) {
         int64_t own = prefix[r] - pmin + start[r + 1] - start[r];
@@ -226,16 +239,15 @@ static int attend_head(Tensor q, float scale, Tensor k, Tensor v, int n, int hea
         for (int g = 0; g < groups; g++) {
             int j = r * groups + g;
             float sum = sums[j / LANES][j % LANES];
-            for (int64_t t = 0; t < own; t++) sum = sum + tail[at + t][g];
-            if (dv == 4)
-                accumulate(4, j, packs, pmin, shared, values, tail + at, own, own_keys + at, v, h,
-                           g, sum, rows, result);
-            else
-                accumulate(dv, j, packs, pmin, shared, values, tail + at, own, own_keys + at, v,
-                           h, g, sum, rows, result);
+            for (int64_t t = 0; t < own; t++) {
+                sum = sum + tail[at + t][g];
+                load_row(rows, v, h, own_keys[at + t], dv);
+                add_values_any(dv, acc + j * dv, (const float *)(tail + at + t) + g, 0, rows, 1);
+            }
+            sum = sum > 0.0f ? sum : 1.0f; /* a row that sees no key (padding) gets zeros */
             int64_t offset = ((int64_t)r * heads + h * groups + g) * d;
             for (int c = 0; c < d; c++) {
-                float x = result[c / LANES][c % LANES];
+                float x = acc[j * dv + c / LANES][c % LANES] / sum;
                 if (out_bf16)
                     ((uint16_t *)out)[offset + c] = to_bfloat16(x);
                 else
@@ -245,7 +257,8 @@ static int attend_head(Tensor q, float scale, Tensor k, Tensor v, int n, int hea
         at += own;
     }
 done:
-    free(qt), free(shared), free(values), free(tail), free(rows), free(result), free(own_keys);
+    free(qt), free(shared), free(values), free(acc), free(tail), free(rows);
+    free(own_keys);
     free(maxes), free(sums);
     return failed;
 }

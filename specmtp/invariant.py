@@ -50,6 +50,7 @@ a prompt through the same single forward, so they still agree.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -60,7 +61,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from specmtp import native
 from specmtp.errors import SpecMTPError
-from specmtp.kernels import invariant_linear, kernel_plan, use_tuned_linear
+from specmtp.kernels import KernelPlan, invariant_linear, kernel_plan, use_tuned_linear
 
 ATTENTION = "specmtp_row_invariant"
 MAX_LOOP_ROWS = 32  # query rows computed one by one; longer inputs (prompts) use the fused kernel
@@ -140,7 +141,7 @@ def attention_path(model: nn.Module) -> str:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     dtype = next(model.parameters()).dtype
     takes = kernel_takes(head_dim=head_dim, heads=heads, kv_heads=kv_heads, dtype=dtype)
-    return native.kernel_name() if takes else "torch, row by row"
+    return native.kernel_name() if takes else native.LOOP
 
 
 def _kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -314,25 +315,43 @@ def use_row_invariant(model: nn.Module) -> str:
     """Make `model`'s forwards row-invariant (module docstring); returns its products'
     description (KernelPlan.row_invariant). Each weight shape takes the product
     `invariant_product` finds for it; if the whole model then fails `forwards_agree`, padded
-    blocks everywhere are tried; neither passing, the model is refused."""
-    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    weights = {(m.weight.shape, m.weight.dtype): m.weight for m in layers}
+    blocks everywhere are tried; neither passing with the attention kernel, both are tried
+    again with the torch loop (and the kernel is not used again in this process); nothing
+    passing, the model is refused."""
     plan = kernel_plan(model) or use_tuned_linear(model)
     if model.config._attn_implementation != ATTENTION:
         plan.stock_attention = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION)
     plan.row_invariant_attention = attention_path(model)
+    found = _agreeing_products(model, plan)
+    if found is None and plan.row_invariant_attention == native.NATIVE:
+        print(
+            "specmtp: the attention kernel is not row-invariant here; using torch", file=sys.stderr
+        )
+        native.refuse()
+        plan.row_invariant_attention = attention_path(model)
+        found = _agreeing_products(model, plan)
+    if found is None:
+        raise SpecMTPError(
+            "this machine's kernels round a token differently by how many tokens a forward "
+            f"holds, even in fixed blocks, so {model.dtype} decoding cannot be made exact "
+            "here; use float32"
+        )
+    return found
+
+
+def _agreeing_products(model: nn.Module, plan: KernelPlan) -> str | None:
+    """The first choice of products with which the whole model passes `forwards_agree`,
+    set on its layers and described in the plan; None when none passes."""
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    weights = {(m.weight.shape, m.weight.dtype): m.weight for m in layers}
     for products in _product_choices(weights):
         for layer in layers:
             layer.invariant_product = products[layer.weight.shape, layer.weight.dtype]
         plan.row_invariant = describe_products(products)
         if forwards_agree(model):
             return plan.row_invariant
-    raise SpecMTPError(
-        "this machine's kernels round a token differently by how many tokens a forward "
-        f"holds, even in fixed blocks, so {model.dtype} decoding cannot be made exact here; "
-        "use float32"
-    )
+    return None
 
 
 Shape = tuple[torch.Size, torch.dtype]  # a weight's shape and dtype: one probe for all alike

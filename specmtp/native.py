@@ -35,6 +35,7 @@ ENABLE = "SPECMTP_NATIVE"  # "0": attention in torch, no compiling
 # most KERNEL_MAX_D; at most KERNEL_LANES query heads per key head; these key dtypes.
 KERNEL_LANES, KERNEL_MAX_D = 16, 256
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+NATIVE, LOOP = "native (attention.c)", "torch, row by row"  # the two paths, in reports
 _ARGS = (
     [
         ctypes.c_void_p,
@@ -51,9 +52,23 @@ _ARGS = (
 )
 
 
-@cache
+_refused = False  # set by refuse(): the kernel failed a check, the torch loop for good
+
+
 def attention_kernel() -> ctypes._CFuncPtr | None:
     """specmtp_attention from the compiled attention.c, or None where there is none."""
+    return None if _refused else _compiled()
+
+
+def refuse() -> None:
+    """Use the torch loop from now on in this process (invariant.use_row_invariant calls it
+    when a model's forwards disagree with the kernel; it never should)."""
+    global _refused
+    _refused = True
+
+
+@cache
+def _compiled() -> ctypes._CFuncPtr | None:
     if os.environ.get(ENABLE, "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -70,7 +85,7 @@ def attention_kernel() -> ctypes._CFuncPtr | None:
 
 def kernel_name() -> str:
     """What runs the row-invariant attention here where the shapes allow, for reports."""
-    return "native (attention.c)" if attention_kernel() is not None else "torch, row by row"
+    return NATIVE if attention_kernel() is not None else LOOP
 
 
 def _build(compiler: str) -> Path | None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 
-from specmtp import native
+from specmtp import invariant, native
 from specmtp.api import SpecGenerator
 from specmtp.cache import CachedModel
 from specmtp.invariant import (
@@ -22,6 +22,7 @@ from specmtp.invariant import (
     kernel_takes,
     row_invariant_attention,
 )
+from specmtp.kernels import kernel_plan
 from specmtp.models import load_model
 from specmtp.tree import TokenTree, tree_forward
 
@@ -47,7 +48,7 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible
 
 def test_the_kernel_is_built_and_taken_for_the_shapes_it_serves() -> None:
     assert native.attention_kernel() is not None
-    assert native.kernel_name() == "native (attention.c)"
+    assert native.kernel_name() == native.NATIVE
     assert kernel_takes(head_dim=64, heads=9, kv_heads=3, dtype=torch.bfloat16)  # the default's
     assert not kernel_takes(head_dim=8, heads=4, kv_heads=2, dtype=torch.bfloat16)
     assert not kernel_takes(head_dim=64, heads=9, kv_heads=3, dtype=torch.float16)
@@ -120,7 +121,7 @@ def test_a_bf16_model_with_the_kernel_verifies_chains_and_trees_exactly(
     wide_heads_target: Path,
 ) -> None:
     loaded = load_model(str(wide_heads_target), dtype=torch.bfloat16)
-    assert attention_path(loaded.model) == "native (attention.c)"
+    assert attention_path(loaded.model) == native.NATIVE
     assert forwards_agree(loaded.model, prompt=30, rows=9)
     runner = CachedModel(loaded.model, vocab_size=loaded.model.config.vocab_size)
     prompt = torch.randint(5, 4000, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -159,3 +160,18 @@ def test_a_row_that_sees_no_key_gets_zeros_as_in_the_torch_loop() -> None:
         out = _attend(query, key, value, visible)  # [1, 3, 2, d]
         assert torch.equal(out[0, 1], torch.zeros(2, d)), d
         assert out[0, [0, 2]].abs().sum() > 0
+
+
+def test_a_kernel_that_disagrees_at_load_gives_way_to_the_torch_loop(
+    wide_heads_target: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Were the kernel's forwards ever to disagree with its one-token steps on a machine, the
+    model loads with the torch loop (said on stderr), and the process keeps to it."""
+    monkeypatch.setattr(native, "_refused", False)  # restored after the test
+    monkeypatch.setattr(
+        invariant, "forwards_agree", lambda model: native.attention_kernel() is None
+    )
+    loaded = load_model(str(wide_heads_target), dtype=torch.bfloat16)
+    assert kernel_plan(loaded.model).row_invariant_attention == native.LOOP
+    assert native.attention_kernel() is None
+    assert "not row-invariant here" in capfd.readouterr().err
