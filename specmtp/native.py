@@ -36,20 +36,13 @@ ENABLE = "SPECMTP_NATIVE"  # "0": attention in torch, no compiling
 KERNEL_LANES, KERNEL_MAX_D = 16, 256
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 NATIVE, LOOP = "native (attention.c)", "torch, row by row"  # the two paths, in reports
-_ARGS = (
-    [
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int64,
-        ctypes.c_int64,
-    ]  # q, bfloat16 (else float32), strides
-    + [ctypes.c_float]  # scale
-    + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # k, v, bfloat16 (else float32)
-    + [ctypes.c_int64] * 4  # key head and row strides, value head and row strides
-    + [ctypes.c_int] * 4  # n, heads, kv_heads, d
-    + [ctypes.c_void_p] * 4  # prefix, extra_start, extras, out
-    + [ctypes.c_int]  # out in bfloat16 (else float32)
-)
+# specmtp_attention's arguments: q, q in bfloat16 (else float32), q's head and row strides,
+# scale; k, v, k and v in bfloat16, k's head and row strides, v's; n, heads, kv_heads, d;
+# prefix, extra_start, extras, out; out in bfloat16. Flags are ints.
+_ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+_ARGS += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 4
+_ARGS += [ctypes.c_int] * 4 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
+BUILD_TIMEOUT_S = 120
 
 
 _refused = False  # set by refuse(): the kernel failed a check, the torch loop for good
@@ -89,26 +82,32 @@ def kernel_name() -> str:
 
 
 def _build(compiler: str) -> Path | None:
-    """The shared library for this source, compiler and CPU: built once, then reused."""
-    from specmtp.profile import cache_root  # here: profile imports tree, tree invariant, it us
+    """The shared library for this source, compiler and CPU: built once, then reused. None
+    when it cannot be built (or the cache cannot be written): attention stays in torch."""
+    # imported here: profile imports tree, which imports invariant, which imports this module
+    from specmtp.profile import cache_root
 
-    for flags in ((*FLAGS, "-march=native"), FLAGS):
-        target = cache_root() / "native" / f"attention-{_fingerprint(compiler, flags)}.so"
-        if target.exists():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            built = Path(scratch) / target.name
-            command = [compiler, *flags, str(SOURCE), "-o", str(built)]
-            if subprocess.run(command, capture_output=True, check=False).returncode == 0:
-                os.replace(built, target)  # atomic: a concurrent build writes the same bytes
+    try:
+        for flags in ((*FLAGS, "-march=native"), FLAGS):
+            target = cache_root() / "native" / f"attention-{_fingerprint(compiler, flags)}.so"
+            if target.exists():
                 return target
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+                built = Path(scratch) / target.name
+                command = [compiler, *flags, str(SOURCE), "-o", str(built)]
+                done = subprocess.run(command, capture_output=True, timeout=BUILD_TIMEOUT_S)
+                if done.returncode == 0:
+                    os.replace(built, target)  # atomic: a concurrent build writes the same bytes
+                    return target
+    except (OSError, subprocess.SubprocessError):
+        return None
     return None
 
 
 def _fingerprint(compiler: str, flags: tuple[str, ...]) -> str:
-    version = subprocess.run([compiler, "--version"], capture_output=True, check=False).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + version)
+    version = subprocess.run([compiler, "--version"], capture_output=True, timeout=BUILD_TIMEOUT_S)
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + version.stdout)
     digest.update(_cpu_description().encode())
     return digest.hexdigest()[:16]
 

@@ -175,3 +175,18 @@ def test_a_kernel_that_disagrees_at_load_gives_way_to_the_torch_loop(
     assert kernel_plan(loaded.model).row_invariant_attention == native.LOOP
     assert native.attention_kernel() is None
     assert "not row-invariant here" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(("variable", "value"), [("CC", "/nonexistent/cc"), (native.ENABLE, "0")])
+def test_without_a_compiler_or_when_turned_off_attention_stays_in_torch(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    native._compiled.cache_clear()
+    try:
+        assert native.attention_kernel() is None
+        assert native.kernel_name() == native.LOOP
+    finally:
+        monkeypatch.undo()
+        native._compiled.cache_clear()
+    assert native.attention_kernel() is not None
