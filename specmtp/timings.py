@@ -60,14 +60,19 @@ KERNELS_VERSION = 1
 
 def machine_key(model: torch.nn.Module) -> dict[str, Any]:
     """What a forward of `model` costs depends on, as this process runs it: its weights,
-    dtype and device, the threads torch uses, and torch's version."""
-    return {
+    dtype and device, the threads torch uses, torch's version, and for row-invariant
+    forwards what computes their attention (the C kernel's T(n) is not the torch loop's)."""
+    key = {
         "weights": weights_fingerprint(model.parameters()),
         "dtype": str(next(model.parameters()).dtype),
         "device": str(next(model.parameters()).device),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
+    plan = kernel_plan(model)
+    if plan is not None and plan.row_invariant_attention is not None:
+        key["attention"] = plan.row_invariant_attention
+    return key
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from conftest import TINY_VOCAB, perturbed_copy, tiny_model
 from test_schedule import VERIFY_S, ClockedDrafter, FakeTime
 from transformers import PreTrainedModel
 
-from specmtp import costmodel, decode, decode_schedules, timings
+from specmtp import costmodel, decode, decode_schedules, native, timings
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
 from specmtp.draft_model_drafter import DraftModelDrafter
@@ -120,6 +120,22 @@ def test_the_store_is_kept_per_model_and_thread_count(
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     assert TimingStore.for_model(target, root=tmp_path).path != store.path
+
+
+def test_row_invariant_forwards_keep_a_store_per_attention_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C attention kernel's T(n) is not the torch loop's: neither reads the other's."""
+    model = tiny_model("llama", seed=5)
+    plan = use_tuned_linear(model)
+    plain = TimingStore.for_model(model, root=tmp_path).path
+    paths = []
+    for attention in (native.NATIVE, native.LOOP):
+        monkeypatch.setattr(plan, "row_invariant_attention", attention)
+        paths.append(TimingStore.for_model(model, root=tmp_path).path)
+    assert len({plain, *paths}) == 3
+    monkeypatch.undo()
+    assert TimingStore.for_model(model, root=tmp_path).path == plain
 
 
 def sample_with_stored_costs(
