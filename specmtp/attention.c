@@ -140,114 +140,134 @@ static void add_values_any(int dv, vf *o, const float *e, int64_t stride, const 
         add_values(dv, o, e, stride, values, count);
 }
 
-/* One key head: its G query heads over the n rows. Returns 0, or 1 when out of memory. */
-static int attend_head(Tensor q, float scale, Tensor k, Tensor v, int n, int heads, int h,
-                       int groups, int d, const int64_t *prefix, const int64_t *start,
-                       const int64_t *extras, void *out, int out_bf16) {
-    int nq = n * groups, dv = d / LANES, packs = (nq + LANES - 1) / LANES;
-    int64_t pmin = prefix[0], tails = 0;
-    for (int r = 0; r < n; r++) pmin = prefix[r] < pmin ? prefix[r] : pmin;
-    for (int r = 0; r < n; r++) tails += prefix[r] - pmin + start[r + 1] - start[r];
-    /* Query j (row j / G, head h * G + j % G) sits in lane j % LANES of pack j / LANES for
-       the shared keys, and in lane j % G of its row's pack for the row's own keys. */
-    vf *qt = aligned_alloc(64, sizeof(vf) * (size_t)(packs + n) * d);
-    vf *shared = aligned_alloc(64, sizeof(vf) * ((size_t)pmin * packs + 1)); /* [pmin, packs] */
-    vf *values = aligned_alloc(64, sizeof(vf) * VALUES * (size_t)dv);        /* a block's */
-    vf *acc = aligned_alloc(64, sizeof(vf) * (size_t)nq * dv);              /* [nq, dv] */
-    vf *tail = aligned_alloc(64, sizeof(vf) * ((size_t)tails + 1));         /* row by row */
-    vf *rows = aligned_alloc(64, sizeof(vf) * KEYS * (size_t)dv);           /* [KEYS, dv] */
-    int64_t *own_keys = malloc(sizeof(int64_t) * ((size_t)tails + 1));
-    float *maxes = malloc(sizeof(float) * (size_t)(packs + n) * LANES);
-    vf *sums = aligned_alloc(64, sizeof(vf) * (size_t)packs);
-    int failed = !qt || !shared || !values || !acc || !tail || !rows || !own_keys
-                 || !maxes || !sums;
-    if (failed) goto done;
-    memset(qt, 0, sizeof(vf) * (size_t)(packs + n) * d);
-    memset(acc, 0, sizeof(vf) * (size_t)nq * dv);
-    for (int j = 0; j < nq; j++) {
-        int64_t offset = (h * groups + j % groups) * q.head + (j / groups) * q.row;
-        for (int c = 0; c < d; c++) {
+/* One key head's work: its G query heads over the n rows, and the buffers it fills. */
+typedef struct {
+    int n, groups, d, dv, nq, packs;
+    int64_t pmin, tails; /* keys every row sees; the rows' own keys past them, in all */
+    const int64_t *prefix, *start, *extras;
+    vf *qt;        /* [packs + n, d]: queries by dimension; query j (row j / G, head h * G +
+                      j % G) in lane j % LANES of pack j / LANES, then in lane j % G of its
+                      row's pack (packs + j / G) */
+    vf *shared;    /* [pmin, packs]: the shared keys' scores, then their exps */
+    vf *tail;      /* [tails]: each row's own keys' scores, then exps (lane g: head g) */
+    int64_t *own;  /* [tails]: those keys */
+    vf *rows;      /* [KEYS, dv]: key or value rows converted */
+    vf *values;    /* [VALUES, dv]: a block of shared values converted */
+    vf *acc;       /* [nq, dv]: each query's sum of exp * value */
+    float *maxes;  /* [packs + n, LANES]: each query's maximum score, in both lane orders */
+    vf *sums;      /* [packs]: each query's sum of exps over the shared keys */
+} Work;
+
+static int64_t own_count(const Work *w, int r) {
+    return w->prefix[r] - w->pmin + w->start[r + 1] - w->start[r];
+}
+
+static void pack_queries(Work *w, Tensor q, float scale, int h) {
+    memset(w->qt, 0, sizeof(vf) * (size_t)(w->packs + w->n) * w->d);
+    for (int j = 0; j < w->nq; j++) {
+        int64_t offset = (h * w->groups + j % w->groups) * q.head + (j / w->groups) * q.row;
+        for (int c = 0; c < w->d; c++) {
             float x = element(q, offset + c) * scale;
-            qt[(j / LANES) * d + c][j % LANES] = x;
-            qt[(packs + j / groups) * d + c][j % groups] = x;
+            w->qt[(j / LANES) * w->d + c][j % LANES] = x;
+            w->qt[(w->packs + j / w->groups) * w->d + c][j % w->groups] = x;
         }
     }
-    const float *keys = (const float *)rows;
-    /* Scores: the shared keys once for all rows, then each row's own keys. */
+}
+
+/* Scores: the shared keys once for all rows, KEYS at a time; then each row's own keys. */
+static void score(Work *w, Tensor k, int h) {
+    const float *keys = (const float *)w->rows;
     int64_t i = 0;
-    for (; i + KEYS <= pmin; i += KEYS) {
-        for (int u = 0; u < KEYS; u++) load_row(rows + u * dv, k, h, i + u, dv);
-        for (int p = 0; p < packs; p++) {
+    for (; i + KEYS <= w->pmin; i += KEYS) {
+        for (int u = 0; u < KEYS; u++) load_row(w->rows + u * w->dv, k, h, i + u, w->dv);
+        for (int p = 0; p < w->packs; p++) {
             vf block[KEYS];
-            scores_block(block, qt + p * d, keys, d);
-            for (int u = 0; u < KEYS; u++) shared[(i + u) * packs + p] = block[u];
+            scores_block(block, w->qt + p * w->d, keys, w->d);
+            for (int u = 0; u < KEYS; u++) w->shared[(i + u) * w->packs + p] = block[u];
         }
     }
-    for (; i < pmin; i++) {
-        load_row(rows, k, h, i, dv);
-        for (int p = 0; p < packs; p++) shared[i * packs + p] = scores1(qt + p * d, keys, d);
+    for (; i < w->pmin; i++) {
+        load_row(w->rows, k, h, i, w->dv);
+        for (int p = 0; p < w->packs; p++)
+            w->shared[i * w->packs + p] = scores1(w->qt + p * w->d, keys, w->d);
     }
     int64_t at = 0;
-    for (int r = 0; r < n; r++)
-        for (int64_t t = 0; t < prefix[r] - pmin + start[r + 1] - start[r]; t++, at++) {
-            own_keys[at] = key_at(r, t, pmin, prefix, start, extras);
-            load_row(rows, k, h, own_keys[at], dv);
-            tail[at] = scores1(qt + (packs + r) * d, keys, d);
+    for (int r = 0; r < w->n; r++)
+        for (int64_t t = 0; t < own_count(w, r); t++, at++) {
+            w->own[at] = key_at(r, t, w->pmin, w->prefix, w->start, w->extras);
+            load_row(w->rows, k, h, w->own[at], w->dv);
+            w->tail[at] = scores1(w->qt + (w->packs + r) * w->d, keys, w->d);
         }
-    /* Each query's maximum over all its keys (exact in any order). */
-    for (int p = 0; p < packs; p++) {
+}
+
+/* Each query's maximum over all its keys (exact in any order); exp(score - maximum) in
+   place; the shared keys' exps summed lane by lane in key order. */
+static void exponentiate(Work *w) {
+    for (int p = 0; p < w->packs; p++) {
         vf top = broadcast(-__builtin_inff());
-        for (i = 0; i < pmin; i++) top = select(shared[i * packs + p] > top, shared[i * packs + p], top);
-        memcpy(maxes + p * LANES, &top, sizeof top);
+        for (int64_t i = 0; i < w->pmin; i++) {
+            vf s = w->shared[i * w->packs + p];
+            top = select(s > top, s, top);
+        }
+        memcpy(w->maxes + p * LANES, &top, sizeof top);
     }
-    at = 0;
-    for (int r = 0; r < n; r++)
-        for (int64_t t = 0; t < prefix[r] - pmin + start[r + 1] - start[r]; t++, at++)
-            for (int g = 0; g < groups; g++) {
-                float *top = maxes + r * groups + g;
-                *top = tail[at][g] > *top ? tail[at][g] : *top;
+    int64_t at = 0;
+    for (int r = 0; r < w->n; r++)
+        for (int64_t t = 0; t < own_count(w, r); t++, at++)
+            for (int g = 0; g < w->groups; g++) {
+                float *top = w->maxes + r * w->groups + g;
+                *top = w->tail[at][g] > *top ? w->tail[at][g] : *top;
             }
-    for (int r = 0; r < n; r++)
+    for (int r = 0; r < w->n; r++)
         for (int l = 0; l < LANES; l++)
-            maxes[(packs + r) * LANES + l] = l < groups ? maxes[r * groups + l] : 0.0f;
-    /* exp(score - max) in place; the shared ones summed lane by lane in key order. */
-    for (int p = 0; p < packs; p++) sums[p] = broadcast(0.0f);
-    for (i = 0; i < pmin; i++)
-        for (int p = 0; p < packs; p++) {
-            vf top;
-            memcpy(&top, maxes + p * LANES, sizeof top);
-            shared[i * packs + p] = exp_lanes(shared[i * packs + p] - top);
-            sums[p] = sums[p] + shared[i * packs + p];
+            w->maxes[(w->packs + r) * LANES + l] = l < w->groups ? w->maxes[r * w->groups + l] : 0;
+    for (int p = 0; p < w->packs; p++) {
+        vf top, sum = broadcast(0.0f);
+        memcpy(&top, w->maxes + p * LANES, sizeof top);
+        for (int64_t i = 0; i < w->pmin; i++) {
+            w->shared[i * w->packs + p] = exp_lanes(w->shared[i * w->packs + p] - top);
+            sum = sum + w->shared[i * w->packs + p];
         }
-    /* exp * value over the shared keys, block by block (each block's values converted once
-       and still in cache for every query), in key order for each query. */
-    for (int64_t first = 0; first < pmin; first += VALUES) {
-        int64_t count = pmin - first < VALUES ? pmin - first : VALUES;
-        for (int64_t u = 0; u < count; u++) load_row(values + u * dv, v, h, first + u, dv);
-        for (int j = 0; j < nq; j++) {
-            const float *e = (const float *)(shared + first * packs + j / LANES) + j % LANES;
-            add_values_any(dv, acc + j * dv, e, (int64_t)packs * LANES, values, count);
+        w->sums[p] = sum;
+    }
+    at = 0;
+    for (int r = 0; r < w->n; r++) {
+        vf top;
+        memcpy(&top, w->maxes + (w->packs + r) * LANES, sizeof top);
+        for (int64_t t = 0; t < own_count(w, r); t++, at++) w->tail[at] = exp_lanes(w->tail[at] - top);
+    }
+}
+
+/* Each query's exp * value summed in key order: the shared values block by block (each
+   block converted once and still in cache for every query), then its row's own; divided
+   by the sum of its exps; written to out [n, H, d]. */
+static void sum_values(Work *w, Tensor v, int h, int heads, void *out, int out_bf16) {
+    int dv = w->dv;
+    memset(w->acc, 0, sizeof(vf) * (size_t)w->nq * dv);
+    for (int64_t first = 0; first < w->pmin; first += VALUES) {
+        int64_t count = w->pmin - first < VALUES ? w->pmin - first : VALUES;
+        for (int64_t u = 0; u < count; u++) load_row(w->values + u * dv, v, h, first + u, dv);
+        for (int j = 0; j < w->nq; j++) {
+            const float *e = (const float *)(w->shared + first * w->packs + j / LANES) + j % LANES;
+            add_values_any(dv, w->acc + j * dv, e, (int64_t)w->packs * LANES, w->values, count);
         }
     }
-    /* Then each row's own keys, in order; the sums finished; the outputs divided. */
-    at = 0;
-    for (int r = 0; r < n; r++) {
-        int64_t own = prefix[r] - pmin + start[r + 1] - start[r];
-        vf top;
-        memcpy(&top, maxes + (packs + r) * LANES, sizeof top);
-        for (int64_t t = 0; t < own; t++) tail[at + t] = exp_lanes(tail[at + t] - top);
-        for (int g = 0; g < groups; g++) {
-            int j = r * groups + g;
-            float sum = sums[j / LANES][j % LANES];
+    int64_t at = 0;
+    for (int r = 0; r < w->n; r++) {
+        int64_t own = own_count(w, r);
+        for (int g = 0; g < w->groups; g++) {
+            int j = r * w->groups + g;
+            float sum = w->sums[j / LANES][j % LANES];
             for (int64_t t = 0; t < own; t++) {
-                sum = sum + tail[at + t][g];
-                load_row(rows, v, h, own_keys[at + t], dv);
-                add_values_any(dv, acc + j * dv, (const float *)(tail + at + t) + g, 0, rows, 1);
+                sum = sum + w->tail[at + t][g];
+                load_row(w->rows, v, h, w->own[at + t], dv);
+                add_values_any(dv, w->acc + j * dv, (const float *)(w->tail + at + t) + g, 0,
+                               w->rows, 1);
             }
             sum = sum > 0.0f ? sum : 1.0f; /* a row that sees no key (padding) gets zeros */
-            int64_t offset = ((int64_t)r * heads + h * groups + g) * d;
-            for (int c = 0; c < d; c++) {
-                float x = acc[j * dv + c / LANES][c % LANES] / sum;
+            int64_t offset = ((int64_t)r * heads + h * w->groups + g) * w->d;
+            for (int c = 0; c < w->d; c++) {
+                float x = w->acc[j * dv + c / LANES][c % LANES] / sum;
                 if (out_bf16)
                     ((uint16_t *)out)[offset + c] = to_bfloat16(x);
                 else
@@ -256,10 +276,37 @@ static int attend_head(Tensor q, float scale, Tensor k, Tensor v, int n, int hea
         }
         at += own;
     }
-done:
-    free(qt), free(shared), free(values), free(acc), free(tail), free(rows);
-    free(own_keys);
-    free(maxes), free(sums);
+}
+
+/* One key head: its G query heads over the n rows. Returns 0, or 1 when out of memory. */
+static int attend_head(Tensor q, float scale, Tensor k, Tensor v, int n, int heads, int h,
+                       int groups, int d, const int64_t *prefix, const int64_t *start,
+                       const int64_t *extras, void *out, int out_bf16) {
+    Work w = {.n = n, .groups = groups, .d = d, .dv = d / LANES, .nq = n * groups,
+              .prefix = prefix, .start = start, .extras = extras};
+    w.packs = (w.nq + LANES - 1) / LANES;
+    w.pmin = prefix[0];
+    for (int r = 0; r < n; r++) w.pmin = prefix[r] < w.pmin ? prefix[r] : w.pmin;
+    for (int r = 0; r < n; r++) w.tails += own_count(&w, r);
+    w.qt = aligned_alloc(64, sizeof(vf) * (size_t)(w.packs + n) * d);
+    w.shared = aligned_alloc(64, sizeof(vf) * ((size_t)w.pmin * w.packs + 1));
+    w.tail = aligned_alloc(64, sizeof(vf) * ((size_t)w.tails + 1));
+    w.own = malloc(sizeof(int64_t) * ((size_t)w.tails + 1));
+    w.rows = aligned_alloc(64, sizeof(vf) * KEYS * (size_t)w.dv);
+    w.values = aligned_alloc(64, sizeof(vf) * VALUES * (size_t)w.dv);
+    w.acc = aligned_alloc(64, sizeof(vf) * (size_t)w.nq * w.dv);
+    w.maxes = malloc(sizeof(float) * (size_t)(w.packs + n) * LANES);
+    w.sums = aligned_alloc(64, sizeof(vf) * (size_t)w.packs);
+    int failed = !w.qt || !w.shared || !w.tail || !w.own || !w.rows || !w.values || !w.acc
+                 || !w.maxes || !w.sums;
+    if (!failed) {
+        pack_queries(&w, q, scale, h);
+        score(&w, k, h);
+        exponentiate(&w);
+        sum_values(&w, v, h, heads, out, out_bf16);
+    }
+    free(w.qt), free(w.shared), free(w.tail), free(w.own), free(w.rows), free(w.values);
+    free(w.acc), free(w.maxes), free(w.sums);
     return failed;
 }
 
