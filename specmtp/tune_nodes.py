@@ -23,7 +23,6 @@ from specmtp.profile import Profile
 from specmtp.stats import GenerationStats
 from specmtp.tune_pairs import arm_alphas
 from specmtp.tune_runs import (
-    MAX_TREE_NODES,
     Log,
     TuneConfig,
     generation,
@@ -55,7 +54,7 @@ def node_counts(
             f"(#nodes=auto sweeps --budgets)")  # fmt: skip
         return (heads.nodes,)
     assert heads.tree is not None
-    most = MAX_TREE_NODES if isinstance(drafter, MergedDrafter) else heads.tree.num_nodes
+    most = Profile.MAX_NODES if isinstance(drafter, MergedDrafter) else heads.tree.num_nodes
     counts = tuple(sorted({b for b in config.budgets if b <= most})) or (most,)
     if dropped := sorted(b for b in config.budgets if b > most):
         log(f"node counts {dropped} dropped: the heads' tree has {most} nodes")

@@ -26,7 +26,6 @@ from specmtp.stats import GenerationStats
 from specmtp.train_prompts import refuse_evaluation_sets
 
 Log = Callable[[str], None]
-MAX_TREE_NODES = Profile.MAX_NODES  # the most nodes a swept tree may have
 
 
 @dataclass(frozen=True)
@@ -52,9 +51,9 @@ class TuneConfig:
         refuse_evaluation_sets(self.prompts, "tune")
         if not 1 <= self.max_gamma <= 32:
             raise SpecMTPError(f"max-gamma must be in 1..32, got {self.max_gamma}")
-        if not self.budgets or not all(1 <= b <= MAX_TREE_NODES for b in self.budgets):
+        if not self.budgets or not all(1 <= b <= Profile.MAX_NODES for b in self.budgets):
             raise SpecMTPError(
-                f"tree budgets must be in 1..{MAX_TREE_NODES} nodes, got {list(self.budgets)}"
+                f"tree budgets must be in 1..{Profile.MAX_NODES} nodes, got {list(self.budgets)}"
             )
         if self.limit < 1:
             raise SpecMTPError(f"limit must be >= 1, got {self.limit}")
