@@ -27,6 +27,7 @@ from specmtp.drafters import Drafter, LookupFirstDrafter, NgramDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.heads import SequentialMTP
 from specmtp.heads_io import load_heads, shipped_heads_dir
+from specmtp.int8 import INT8, split_int8, use_int8_products
 from specmtp.kernels import tuned_linear_enabled, use_tuned_linear
 from specmtp.merged_drafter import MergedDrafter
 from specmtp.models import LoadedModel, load_model
@@ -70,7 +71,9 @@ def build_drafter(
     `store|SPEC` (the lookup's continuation and MTP heads' drafts verified as one tree,
     merged_drafter.py; SPEC `mtp` or `mtp-tree`); otherwise a model spec
     as for the target, with `#vocab=N` (its output matrix cut to N tokens) and/or
-    `#heads=DIR` last (MTP heads trained on that model). A Drafter object is used as is.
+    `#heads=DIR` last (MTP heads trained on that model). MTP heads and draft models take
+    `#int8` among their options: int8 products, cheaper drafts (int8.py). A Drafter
+    object is used as is.
     """
     target_vocab = usable_vocab_size(target, target)
     if spec is None or not isinstance(spec, str):
@@ -88,6 +91,16 @@ def build_drafter(
         return build_lookup_first_drafter(spec, target, dtype=dtype)
     if spec == "store" or spec.startswith(("store:", "store+", "store#")):
         return build_store_drafter(spec, target, dtype=dtype)
+    spec, int8 = split_int8(spec)
+    drafter, vocab = build_model_based_drafter(spec, target, dtype=dtype)
+    return (use_int8_drafter(drafter, spec) if int8 else drafter), vocab
+
+
+def build_model_based_drafter(
+    spec: str, target: LoadedModel, *, dtype: torch.dtype
+) -> tuple[Drafter, int]:
+    """build_drafter's one-drafter specs: MTP heads, draft models and prompt lookup."""
+    target_vocab = usable_vocab_size(target, target)
     spec, heads_dir = split_heads(spec)
     spec, nodes, tuned = split_tree_nodes(spec, f"mtp-tree{TREE_NODES}N (or {TUNED_NODES})")
     spec, output_vocab = split_count(spec, OUTPUT_VOCAB, f"MODEL{OUTPUT_VOCAB}N")
@@ -115,6 +128,20 @@ def build_drafter(
     return build_model_drafter(
         spec, target, dtype=dtype, output_vocab=output_vocab, heads_dir=heads_dir
     )
+
+
+def use_int8_drafter(drafter: Drafter, spec: str) -> Drafter:
+    """`SPEC#int8`: the drafter's products in int8 (int8.py), its name marked so."""
+    if isinstance(drafter, MTPDrafter):
+        use_int8_products(drafter.heads)
+    elif isinstance(drafter, DraftModelDrafter):
+        use_int8_products(drafter.runner.model)
+        if drafter.heads is not None:  # heads trained on it (#heads=DIR): not inside the model
+            use_int8_products(drafter.heads)
+    else:
+        raise SpecMTPError(f"{INT8} applies to MTP heads and draft models, not to {spec!r}")
+    drafter.name = f"{drafter.name}{INT8}"
+    return drafter
 
 
 def build_model_drafter(

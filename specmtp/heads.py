@@ -60,6 +60,9 @@ class VocabProjection(nn.Module):
     """Hidden [.., H] -> logits [.., V'] over the full vocabulary or the draft vocabulary
     `draft_vocab` (V' of the target's V token ids), with the maps between the two."""
 
+    # A drafter's int8 product in place of the float one (int8.use_int8_products)
+    int8: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def __init__(
         self,
         lm_head_weight: torch.Tensor,  # [V, H]
@@ -87,6 +90,8 @@ class VocabProjection(nn.Module):
             self.register_buffer("weight", weight, persistent=False)  # frozen, not saved
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:  # a drafter's cheaper product (int8.use_int8_products)
+            return self.int8(hidden)
         return F.linear(hidden, self.weight)
 
     def to_full_ids(self, ids: torch.Tensor) -> torch.Tensor:

@@ -167,7 +167,7 @@ class SequentialDraftCache:
         state per layer read, until fused), and each depth's key, value and state, twice
         over: a buffer grows by half when full, and holds a round's scratch besides."""
         config = self.heads.config
-        element = self.heads.projection.weight.element_size()
+        element = self.heads.embed_weight.element_size()  # the states' dtype (int8 drafts too)
         features = len(config.feature_layers or (None,))
         return 2 * config.hidden_size * (features + 3 * config.num_heads) * element
 

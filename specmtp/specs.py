@@ -1,5 +1,5 @@
-"""Options a draft spec may carry after its name: `#nodes=N`, `#vocab=N`, `#heads=DIR` and
-`#min-p=P`.
+"""Options a draft spec may carry after its name: `#nodes=N`, `#vocab=N`, `#heads=DIR`,
+`#min-p=P` and `#int8` (int8.py: MTP heads and draft models draft with int8 products).
 
 `mtp-tree#nodes=4` verifies a dynamic tree's 4 likeliest nodes a round (`#nodes=auto`: as many
 as `specmtp tune` found fastest on this machine, read from its profile); `MODEL#vocab=N` cuts a

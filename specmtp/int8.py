@@ -1,0 +1,141 @@
+"""int8 products for drafters (`#int8` in a draft spec): cheaper drafts, the same output.
+
+A draft only proposes tokens; the target's verification decides what is written, so a
+drafter's products need not be exact, only cheap and close. On CPU a drafter's step reads
+all its weights for a few rows: a memory-bound product, whose cost is the bytes read. With
+int8 weights (one scale per output row) and the input rows quantized at each call
+(per tensor, fbgemm's dynamic product), a product reads half the bytes of bfloat16 and a
+quarter of float32. On the project's AMD EPYC (1 thread, weights not in cache) the shipped
+heads' 8192 x 576 output product of 1-5 rows takes about 0.4 ms against 1.2 ms in
+bfloat16.
+
+What changes is the drafts' logits, by quantization error: a close second candidate may
+swap with the first. Greedy output stays token-identical to plain decoding (the target
+verifies), and sampling stays lossless: a sampled chain's q is the distribution the int8
+drafter drew from.
+
+`use_int8_products(module)` swaps every linear layer of a drafter's module (nn.Linear, the
+kernel-planned TunedLinear, the heads' and drafts' VocabProjection) for its int8 form, in
+place; the float weights are dropped. Inference only: the swapped module cannot train.
+
+torch 2.13 marks its quantized tensors deprecated (pytorch/pytorch#184982) and the project
+pins that version. Where a torch build lacks the engine, `#int8` is refused with one line.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specmtp.errors import SpecMTPError
+from specmtp.heads import VocabProjection
+
+INT8 = "#int8"  # the draft spec option
+
+
+def int8_products_available() -> bool:
+    """Whether this torch build has a CPU engine for the dynamic int8 product."""
+    return torch.backends.quantized.engine not in ("none", "") and hasattr(
+        torch.ops.quantized, "linear_dynamic"
+    )
+
+
+@cache
+def reduce_input_range() -> bool:
+    """Whether the input rows are quantized to 7 bits, not 8: on x86 without VNNI (or AMX)
+    fbgemm sums pairs of u8 x s8 products in 16 bits, which 8-bit inputs could saturate.
+    With VNNI the sums are 32-bit, and the 8th bit keeps the drafts closer to the float
+    ones (shipped heads, 12 held-out prompts: acceptance at position 1 0.677 with 8 bits,
+    0.663 with 7, 0.684 in bfloat16)."""
+    if torch.backends.quantized.engine not in ("x86", "fbgemm"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    return not any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
+class Int8Product:
+    """x @ W^T + b with W stored as int8, one scale per output row (symmetric), and x
+    quantized per call: fbgemm's (or the engine's) dynamic product, in float32, cast back
+    to x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        if weight.device.type != "cpu":
+            raise SpecMTPError(f"{INT8} products run on CPU; this drafter is on {weight.device}")
+        if not int8_products_available():
+            raise SpecMTPError(f"{INT8}: this torch build has no quantized CPU engine")
+        w = weight.detach().float()  # [out, in]
+        scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).double()  # [out]
+        zeros = torch.zeros(w.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # deprecated in torch 2.13 (see the module's note)
+            warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quant")
+            quantized = torch.quantize_per_channel(w, scale, zeros, 0, torch.qint8)
+        # [out, in] int8, for reports and fingerprints; the engine packs its own copy
+        self.weight = quantized.int_repr()
+        self.scale = scale.float()  # [out]
+        self.out_features, self.in_features = w.shape
+        self.reduce_range = reduce_input_range()
+        self.packed = torch.ops.quantized.linear_prepack(
+            quantized, None if bias is None else bias.detach().float()
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float()  # [M, in]
+        out = torch.ops.quantized.linear_dynamic(rows, self.packed, self.reduce_range)  # [M, out]
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """A linear layer on an Int8Product. `weight` is the int8 matrix it reads ([out, in],
+    so code that reads a layer's shape still can), `scale` its row scales."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.product = Int8Product(linear.weight, linear.bias)
+        self.register_buffer("weight", self.product.weight)
+        self.register_buffer("scale", self.product.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+
+def use_int8_products(module: nn.Module) -> nn.Module:
+    """Swap every linear layer and vocabulary projection of `module` (a drafter's heads or
+    draft model) for its int8 form, in place; returns `module`. A projection shared by two
+    owners (a draft's heads and its LM head) is swapped once."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8Linear(child))
+            elif isinstance(child, VocabProjection) and child.int8 is None:
+                _quantize_projection(child)
+    return module
+
+
+def _quantize_projection(projection: VocabProjection) -> None:
+    """The projection's product in int8: its float rows give way to the int8 ones."""
+    product = Int8Product(projection.weight, None)
+    if isinstance(projection.weight, nn.Parameter):
+        del projection.weight  # a trained copy: a buffer from now on
+    projection.register_buffer("weight", product.weight, persistent=False)
+    projection.register_buffer("scale", product.scale, persistent=False)
+    projection.int8 = product
+
+
+def split_int8(spec: str) -> tuple[str, bool]:
+    """`SPEC#int8` (the option anywhere among SPEC's `#` options) -> (SPEC without it, True);
+    a spec without it -> (spec, False)."""
+    name, *options = spec.split("#")
+    if INT8[1:] not in options:
+        return spec, False
+    if not name:
+        raise SpecMTPError(f"bad draft spec {spec!r}: {INT8} follows a drafter's name")
+    options.remove(INT8[1:])
+    return "#".join([name, *options]), True

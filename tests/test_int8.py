@@ -1,0 +1,122 @@
+"""`#int8` drafters: int8 products within their error bound, every product of a drafter
+swapped, and drafts that still leave greedy output exactly plain decoding's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, hf_greedy, tiny_model
+from test_decode_tree import TREE
+from test_mtp_drafter import PROMPT, trained_heads
+from torch import nn
+from transformers import PreTrainedModel
+
+from specmtp.api import SpecGenerator, build_drafter
+from specmtp.config import GenerationConfig
+from specmtp.decode import SpecDecoder
+from specmtp.draft_model_drafter import DraftModelDrafter
+from specmtp.drafters import LookupFirstDrafter
+from specmtp.errors import SpecMTPError
+from specmtp.heads import VocabProjection
+from specmtp.int8 import Int8Linear, Int8Product, reduce_input_range, split_int8, use_int8_products
+from specmtp.models import load_model
+from specmtp.mtp_drafter import MTPDrafter
+
+
+def _dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """The slow reference's weights: each row rounded to 255 levels of its largest value."""
+    scale = weight.abs().amax(1, keepdim=True) / 127
+    return (weight / scale).round() * scale
+
+
+def test_an_int8_product_of_inputs_on_its_grid_is_the_rounded_weights_product() -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
+    # inputs the per-call quantization represents exactly: multiples of 0.05 from 0 up to
+    # its top level, which it maps to 0 .. levels
+    levels = 127 if reduce_input_range() else 255
+    x = torch.randint(0, levels + 1, (5, 64), generator=generator).float()
+    x[0, :2] = torch.tensor([0.0, levels])
+    x = x * 0.05
+    out = Int8Product(weight, bias)(x)
+    reference = x @ _dequantized(weight).T + bias
+    assert torch.allclose(out, reference, rtol=1e-4, atol=1e-3)
+    assert not torch.allclose(out, x @ weight.T + bias, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_product_stays_within_its_quantization_bound(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
+    x = torch.randn(2, 5, 64, generator=generator).to(dtype)
+    out = Int8Product(weight, bias)(x)
+    assert out.shape == (2, 5, 96) and out.dtype == dtype
+    # Inputs off the grid: each is rounded to its nearest level, so the error against the
+    # rounded weights' product is at most half a step times the row's absolute weights,
+    # plus the output's own rounding.
+    rows, dequantized = x.float().reshape(-1, 64), _dequantized(weight)
+    reference = rows @ dequantized.T + bias
+    levels = 127 if reduce_input_range() else 255
+    step = (rows.max().clamp_min(0) - rows.min().clamp_max(0)) / levels
+    bound = step / 2 * dequantized.abs().sum(1) + reference.abs() * 2**-7 + 1e-4
+    assert ((out.float().reshape(-1, 96) - reference).abs() <= bound).all()
+
+
+def test_every_product_of_sequential_heads_is_swapped() -> None:
+    target = tiny_model("llama", seed=0)
+    heads = trained_heads(target, "sequential", steps=0)
+    use_int8_products(heads)
+    assert not [m for m in heads.modules() if isinstance(m, nn.Linear)]
+    assert [m for m in heads.modules() if isinstance(m, Int8Linear)]
+    projections = [m for m in heads.modules() if isinstance(m, VocabProjection)]
+    assert projections and all(p.int8 is not None for p in projections)
+    assert all(p.weight.dtype == torch.int8 for p in projections)
+
+
+@pytest.mark.parametrize("kind", ["parallel", "sequential"])
+@pytest.mark.parametrize("tree", [False, True])
+def test_int8_heads_keep_greedy_output_and_most_of_the_acceptance(kind: str, tree: bool) -> None:
+    target: PreTrainedModel = tiny_model("llama", seed=0)
+
+    def run(int8: bool) -> tuple[list[int], float]:
+        heads = trained_heads(target, kind, steps=60)
+        if int8:
+            use_int8_products(heads)
+        drafter = MTPDrafter(heads, tree=TREE if tree else None)
+        decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
+        result = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=40, gamma=3))
+        return result.tokens, result.stats.mean_accepted_tokens
+
+    (tokens, tau), (int8_tokens, int8_tau) = run(False), run(True)
+    assert int8_tokens == tokens == hf_greedy(target, PROMPT, 40)
+    assert int8_tau > 1.0 and int8_tau >= tau - 0.5
+
+
+def test_int8_draft_specs(tiny_target: Path) -> None:
+    target = load_model(str(tiny_target))
+    drafter, _ = build_drafter(f"{tiny_target}#int8", target)
+    assert isinstance(drafter, DraftModelDrafter) and drafter.name == f"{tiny_target}#int8"
+    assert not [m for m in drafter.runner.model.modules() if isinstance(m, nn.Linear)]
+    lookup_first, _ = build_drafter(f"ngram+{tiny_target}#vocab=3000#int8", target)
+    assert isinstance(lookup_first, LookupFirstDrafter)
+    assert lookup_first.fallback.name == f"{tiny_target}#vocab=3000#int8"
+    for spec, message in [
+        ("ngram#int8", "applies to MTP heads and draft models"),
+        ("#int8", "follows a drafter's name"),
+    ]:
+        with pytest.raises(SpecMTPError, match=message):
+            build_drafter(spec, target)
+    assert split_int8("mtp-tree#int8#nodes=4") == ("mtp-tree#nodes=4", True)
+    assert split_int8("mtp-tree#nodes=4") == ("mtp-tree#nodes=4", False)
+
+
+def test_an_int8_self_draft_keeps_greedy_output(tiny_target: Path) -> None:
+    plain = SpecGenerator(str(tiny_target))
+    drafted = SpecGenerator(str(tiny_target), draft=f"{tiny_target}#int8")
+    prompt = torch.randint(100, 5000, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    expected = plain.generate(prompt, max_new_tokens=30).tokens
+    done = drafted.generate(prompt, max_new_tokens=30, gamma=4)
+    assert done.tokens == expected
+    assert done.stats.accepted_tokens > 0
