@@ -1,8 +1,9 @@
 """What `#int8` drafters gain and lose: (1) the time of one product of 1-17 rows with the
 weights out of cache, bfloat16 F.linear against the int8 product (specmtp/int8.py) with 8-
-and 7-bit inputs; (2) how often the default model's full-vocabulary argmax over its own
-final hidden states (held-out training prompts) is the float32 one, in bfloat16 and in
-int8. docs/mtp-heads.md ("Drafts in int8") has one machine's figures.
+and 7-bit inputs, and against torch's weight-only int8 product; (2) how often the default
+model's full-vocabulary argmax over its own final hidden states (held-out training prompts)
+is the float32 one, in bfloat16 and in int8. docs/mtp-heads.md ("Drafts in int8") has one
+machine's figures.
 
     python scripts/int8_products.py [--prompts FILE] [--shape 8192x576]
 """
@@ -45,13 +46,18 @@ def timings(out_features: int, in_features: int) -> None:
     bf16 = weight.bfloat16()
     quantized = int8.Int8Product(weight, None)
     print(f"{out_features} x {in_features}, ms per product (weights out of cache)")
-    print("rows  bfloat16  int8 (8-bit inputs)  int8 (7-bit inputs)")
+    # weight-only int8 (bfloat16 inputs), the kernel tried first and not used
+    weight_only = quantized.weight
+    scales = quantized.scale.bfloat16()
+    print("rows  bfloat16  int8 (8-bit inputs)  int8 (7-bit inputs)  weight-only int8")
     for rows in (1, 3, 5, 17):
         x = torch.randn(rows, in_features).bfloat16()
         cells = [cold_ms(lambda rows: F.linear(rows, bf16), x, flush)]
         for reduce in (False, True):
             quantized.reduce_range = reduce
             cells.append(cold_ms(quantized, x, flush))
+        product = lambda rows: torch._weight_int8pack_mm(rows, weight_only, scales)  # noqa: E731
+        cells.append(cold_ms(product, x, flush))
         print(f"{rows:4d}  " + "  ".join(f"{c:8.3f}" for c in cells))
 
 
