@@ -23,6 +23,7 @@ from specmtp.draft_model import (
     shipped_drafts_dir,
 )
 from specmtp.draft_model_drafter import DraftModelDrafter
+from specmtp.draft_tree_drafter import DraftTreeDrafter
 from specmtp.drafters import Drafter, LookupFirstDrafter, NgramDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.heads import SequentialMTP
@@ -102,11 +103,15 @@ def build_model_based_drafter(
     """build_drafter's one-drafter specs: MTP heads, draft models and prompt lookup."""
     target_vocab = usable_vocab_size(target, target)
     spec, heads_dir = split_heads(spec)
-    spec, nodes, tuned = split_tree_nodes(spec, f"mtp-tree{TREE_NODES}N (or {TUNED_NODES})")
+    spec, nodes, tuned = split_tree_nodes(spec, f"SPEC{TREE_NODES}N (or mtp-tree{TUNED_NODES})")
     spec, output_vocab = split_count(spec, OUTPUT_VOCAB, f"MODEL{OUTPUT_VOCAB}N")
     method, _, argument = spec.partition(":")
-    if (nodes is not None or tuned) and method != "mtp-tree":
-        raise SpecMTPError(f"{TREE_NODES}N applies to mtp-tree drafters, not to {spec!r}")
+    if tuned and method != "mtp-tree":
+        raise SpecMTPError(
+            f"{TUNED_NODES} applies to mtp-tree drafters; give {spec!r} {TREE_NODES}N"
+        )
+    if nodes is not None and method in ("mtp", "ngram"):
+        raise SpecMTPError(f"{TREE_NODES}N applies to mtp-tree and draft models, not to {spec!r}")
     for option, value in ((OUTPUT_VOCAB + "N", output_vocab), (DRAFT_HEADS + "DIR", heads_dir)):
         if value is not None and (
             method in ("mtp", "mtp-tree", "draft", "draft-ar", "ngram") or method in SHIPPED_DRAFTS
@@ -119,14 +124,17 @@ def build_model_based_drafter(
             spec, target, tree=method == "mtp-tree", path=argument, nodes=nodes, tuned=tuned
         ), target_vocab
     if method in SHIPPED_DRAFTS or method in ("draft", "draft-ar"):
-        return build_small_drafter(spec, target), target_vocab
+        return build_small_drafter(spec, target, nodes=nodes), target_vocab
     if spec == "ngram" or spec.startswith("ngram:"):
         size = spec.partition(":")[2] or "3"
         if not size.isdigit() or int(size) < 1:
             raise SpecMTPError(f"bad n-gram draft spec {spec!r}: use ngram or ngram:N with N >= 1")
         return NgramDrafter(max_ngram=int(size)), target_vocab
+    if nodes is not None and heads_dir is not None:
+        raise SpecMTPError(f"a draft tree ({TREE_NODES}N) drafts with the model's LM head, not "
+                           f"with heads ({DRAFT_HEADS}DIR): {spec!r}")  # fmt: skip
     return build_model_drafter(
-        spec, target, dtype=dtype, output_vocab=output_vocab, heads_dir=heads_dir
+        spec, target, dtype=dtype, output_vocab=output_vocab, heads_dir=heads_dir, nodes=nodes
     )
 
 
@@ -151,9 +159,11 @@ def build_model_drafter(
     dtype: torch.dtype,
     output_vocab: int | None = None,
     heads_dir: str | None = None,
+    nodes: int | None = None,
 ) -> tuple[DraftModelDrafter, int]:
     """A causal LM with the target's tokenizer, given by name or path, drafting on its own
-    or, with `heads_dir`, with MTP heads trained on it (several tokens a forward)."""
+    or, with `heads_dir`, with MTP heads trained on it (several tokens a forward); with
+    `nodes`, a token tree of that many nodes a round."""
     draft = load_model(spec, dtype=dtype)
     check_tokenizers_agree(
         target.tokenizer, draft.tokenizer, target_name=target.spec, draft_name=draft.spec
@@ -173,6 +183,12 @@ def build_model_drafter(
     kept = None
     if output_vocab is not None:
         kept = output_vocab_ids(draft, output_vocab, vocab, always=eos_token_ids(draft))
+    if nodes is not None:
+        tree = DraftTreeDrafter(
+            draft.model, vocab_size=vocab, nodes=nodes, name=f"{name}{TREE_NODES}{nodes}",
+            output_ids=kept,
+        )  # fmt: skip
+        return tree, vocab
     drafter = DraftModelDrafter(
         draft.model, vocab_size=vocab, name=name, heads=heads, output_ids=kept
     )
@@ -275,16 +291,27 @@ def load_store(path: str, target: LoadedModel) -> Datastore:
     )
 
 
-def build_small_drafter(spec: str, target: LoadedModel) -> DraftModelDrafter:
+def build_small_drafter(
+    spec: str, target: LoadedModel, *, nodes: int | None = None
+) -> DraftModelDrafter:
     """A draft made by `specmtp distill`: shipped by name, or from a directory. It drafts
-    several tokens per forward when it has MTP heads, unless the spec ends in `-ar`."""
+    several tokens per forward when it has MTP heads, unless the spec ends in `-ar`; with
+    `nodes`, a token tree of that many nodes a round, with its LM head."""
     draft = load_small_draft(spec, target)
     if tuned_linear_enabled() and draft.device.type == "cpu":
         use_tuned_linear(draft)
+    vocab = usable_vocab_size(target, target)
+    if nodes is not None:
+        if draft.heads is not None and not spec.partition(":")[0].endswith("-ar"):
+            raise SpecMTPError(
+                f"a draft tree ({TREE_NODES}N) drafts with the LM head alone: "
+                f"name the draft's -ar form, not {spec!r}"
+            )
+        return DraftTreeDrafter(
+            draft, vocab_size=vocab, nodes=nodes, name=f"{spec}{TREE_NODES}{nodes}"
+        )
     multi_token = draft.heads is not None and not spec.partition(":")[0].endswith("-ar")
-    return DraftModelDrafter(
-        draft, vocab_size=usable_vocab_size(target, target), name=spec, multi_token=multi_token
-    )
+    return DraftModelDrafter(draft, vocab_size=vocab, name=spec, multi_token=multi_token)
 
 
 def load_small_draft(spec: str, target: LoadedModel) -> DraftLM:

@@ -206,7 +206,16 @@ def test_only_the_weight_shapes_that_fail_their_probe_are_padded(
 ) -> None:
     """A BLAS whose one-call products vary with the row count for one weight shape only
     (as bfloat16's 576 x 1536 down projection on an AMD EPYC): that shape pads, the others
-    keep F.linear, and the model, made bfloat16, still decodes exactly."""
+    keep F.linear, and the model, made bfloat16, still decodes exactly. Shapes this
+    machine's BLAS fails for on its own (the tiny model's 49152 x 32 LM head on an Intel
+    Xeon with AMX) pad as well."""
+    natural = load_model(str(tiny_target)).model.bfloat16()
+    use_row_invariant(natural)
+    padded_here = {
+        m.weight.shape
+        for m in natural.modules()
+        if isinstance(m, TunedLinear) and m.invariant_product == "padded"
+    }
     model = load_model(str(tiny_target)).model.bfloat16()
     down = model.get_decoder().layers[0].mlp.down_proj.weight.shape
     probe = invariant.rows_invariant
@@ -216,11 +225,11 @@ def test_only_the_weight_shapes_that_fail_their_probe_are_padded(
         lambda w, *, product: probe(w, product=product) and (w.shape != down or product != "flat"),
     )
     kinds = use_row_invariant(model)
-    assert kinds == f"flat, padded for {down[0]}x{down[1]}"
+    assert kinds.startswith("flat, ") and f"padded for {down[0]}x{down[1]}" in kinds
     for module in model.modules():
         if isinstance(module, TunedLinear):
-            expected = "padded" if module.weight.shape == down else "flat"
-            assert module.invariant_product == expected
+            padded = module.weight.shape == down or module.weight.shape in padded_here
+            assert module.invariant_product == ("padded" if padded else "flat")
     assert forwards_agree(model, rows=6)
 
 

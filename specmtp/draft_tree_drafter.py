@@ -1,0 +1,143 @@
+"""A draft model drafting a token tree: SpecInfer's draft-model trees, grown as in EAGLE-2.
+
+A chain from a draft model stakes a round on the draft's top-1 token at every depth; where
+the draft hesitates between two tokens, the second is lost. A tree keeps the likeliest
+continuations instead: the draft's probabilities rank every path (the product along it),
+and the target verifies the `nodes` likeliest in one tree forward
+(`tree_verification`), as it does MTP heads' dynamic trees.
+
+Growing the tree (batch 1, one draft forward per depth, as a chain of the same depth):
+    forward the tokens committed since the last round     -> depth 1's top BEAM tokens
+    for depth d = 1 .. k-1:
+        expand the depth-d nodes among the `nodes` likeliest so far (BEAM at most): one
+        forward of those rows, each seeing the context, its ancestors and itself (a 4-D
+        mask over the draft's cache, which holds the context then every node fed so far)
+                                                          -> each one's top BEAM children
+    propose the `nodes` likeliest paths; crop the draft's cache back to the context
+A node outside the likeliest `nodes` is not expanded: its children rank below it, so none
+could enter. The tree's tokens are fixed choices (the draft's top ones), verified with
+one-hot q at temperature > 0, which keeps sampling lossless.
+
+The cache keeps the context only: the next round feeds the accepted path again, in the
+forward that reads the new token (a few rows more in one forward; `catch_up`, counting from
+the context last drafted from, prices them).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from specmtp.config import SamplingConfig
+from specmtp.datastore import TIMING_RANK_PROBS
+from specmtp.draft_model import DraftLM
+from specmtp.draft_model_drafter import DraftModelDrafter
+from specmtp.drafters import Proposal, TokenPath, empty_proposal, paths_proposal
+from specmtp.errors import SpecMTPError
+from specmtp.sampling import logits_to_probs
+from specmtp.tree import TokenTree, best_tree, check_tree_attention
+
+BEAM = 4  # nodes expanded per depth, and children kept per expanded node
+TIMING_DEPTH = 8  # the depth of the typical shape T(n) is timed with
+
+
+class DraftTreeDrafter(DraftModelDrafter):
+    """A draft model proposing the `nodes` likeliest paths of at most k tokens a round (a
+    token tree; one path is proposed as a chain). Drafts with the model's LM head alone."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel | DraftLM,
+        *,
+        vocab_size: int,
+        nodes: int,
+        name: str = "draft",
+        output_ids: torch.Tensor | None = None,
+        beam: int = BEAM,
+    ) -> None:
+        if nodes < 1 or beam < 1:
+            raise SpecMTPError(f"a draft tree needs nodes >= 1 and beam >= 1, got {nodes}, {beam}")
+        check_tree_attention(model)  # the draft attends over its own tree too
+        super().__init__(model, vocab_size=vocab_size, name=name, output_ids=output_ids)
+        self.nodes = nodes
+        self.beam = min(beam, nodes)
+        # What drafter_tree gives: a typical shape, for timing T(n) only (trees change
+        # every round).
+        self.timing_tree: TokenTree = best_tree([TIMING_RANK_PROBS] * TIMING_DEPTH, nodes)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        if context.shape[0] != 1:
+            raise SpecMTPError("a draft tree drafts one sequence at a time (batch size 1)")
+        if k < 1:
+            return empty_proposal(1, context.device)
+        self._rollback_to_prefix_of(context[:, :-1])  # the last token must be fed for logits
+        fresh = context[:, self.fed.shape[1] :]  # [1, u], u >= 1
+        logits = self._full(self.runner.forward(fresh, last_only=True)[:, -1])  # [1, V]
+        self.fed = context
+        self.expected = context
+        past = self.runner.length
+        scores = self._children({(): 0.0}, logits, sampling)  # depth 1
+        fed: list[TokenPath] = []  # tree nodes in the draft's cache after `past`, in order
+        for depth in range(1, k):
+            expand = [p for p in self._likeliest(scores) if len(p) == depth][: self.beam]
+            if not expand:
+                break  # nothing at this depth can enter the tree
+            logits = self._tree_step(expand, fed, past)  # [E, V]
+            fed += expand
+            scores |= self._children({p: scores[p] for p in expand}, logits, sampling)
+        self.runner.crop(past)
+        chosen = self._likeliest(scores)
+        return paths_proposal({path: scores[path] for path in chosen}, context.device)
+
+    def _likeliest(self, scores: dict[TokenPath, float]) -> list[TokenPath]:
+        """The `nodes` likeliest paths; on ties the shorter first, so a path never ranks
+        below its child (whose log-probability is at most its own) and they form a tree."""
+        return sorted(scores, key=lambda p: (-scores[p], len(p)))[: self.nodes]
+
+    def _children(
+        self, parents: dict[TokenPath, float], logits: torch.Tensor, sampling: SamplingConfig
+    ) -> dict[TokenPath, float]:
+        """Each parent's BEAM likeliest children with their paths' log-probabilities.
+        logits [P, V]: row i after the i-th parent. Greedy ranks by the draft's own
+        distribution; sampling by the one it samples from (temperature, top-k, top-p)."""
+        if sampling.greedy:
+            logprob = torch.log_softmax(logits.float(), -1)  # [P, V]
+        else:
+            logprob = logits_to_probs(logits, sampling).log()  # [P, V], -inf off top-k/top-p
+        top = logprob.topk(self.beam, dim=-1)  # [P, beam]
+        children: dict[TokenPath, float] = {}
+        for (path, score), values, tokens in zip(
+            parents.items(), top.values.tolist(), top.indices.tolist(), strict=True
+        ):
+            for value, token in zip(values, tokens, strict=True):
+                if value > float("-inf"):
+                    children[(*path, token)] = score + value
+        return children
+
+    def _tree_step(self, expand: list[TokenPath], fed: list[TokenPath], past: int) -> torch.Tensor:
+        """One draft forward of the nodes `expand` (all one depth d), after the context
+        (`past` positions) and the nodes `fed` before them; their logits [E, V]. Each row
+        sees the context, its ancestors among `fed` and itself; position past + d - 1."""
+        n, depth = len(expand), len(expand[0])
+        ancestor = torch.tensor(
+            [[path[: len(node)] == node for node in fed] for path in expand], dtype=torch.bool
+        ).reshape(n, len(fed))  # [E, F]
+        allowed = torch.cat(
+            [torch.ones(n, past, dtype=torch.bool), ancestor, torch.eye(n, dtype=torch.bool)], 1
+        )  # [E, past + F + E]
+        dtype = self.runner.model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        device = self.runner.device
+        tokens = torch.tensor([[path[-1] for path in expand]], device=device)  # [1, E]
+        positions = torch.full((1, n), past + depth - 1, device=device)  # [1, E]
+        logits = self.runner.forward(
+            tokens, attention_mask=mask[None, None].to(device), position_ids=positions
+        )  # [1, E, V']
+        return self._full(logits[0])
