@@ -2,11 +2,12 @@
 `#min-p=P` and `#int8` (int8.py: MTP heads and draft models draft with int8 products).
 
 `mtp-tree#nodes=4` verifies a dynamic tree's 4 likeliest nodes a round (`#nodes=auto`: as many
-as `specmtp tune` found fastest on this machine, read from its profile); `MODEL#vocab=N` cuts a
-draft model's output matrix to N tokens; `MODEL#heads=DIR` drafts with MTP heads trained on
-that draft model (`specmtp train-mtp --target MODEL`). `#heads=` comes last: its path runs
-to the end of the spec. `store:FILE#min-p=0.5` drafts from a datastore only while its
-continuation's estimated probability is at least 0.5.
+as `specmtp tune` found fastest on this machine, read from its profile); `MODEL#nodes=4`
+a draft model's tree of its 4 likeliest continuations (draft_tree_drafter.py);
+`MODEL#vocab=N` cuts a draft model's output matrix to N tokens; `MODEL#heads=DIR` drafts
+with MTP heads trained on that draft model (`specmtp train-mtp --target MODEL`). `#heads=`
+comes last: its path runs to the end of the spec. `store:FILE#min-p=0.5` drafts from a
+datastore only while its continuation's estimated probability is at least 0.5.
 """
 
 from __future__ import annotations
