@@ -1,12 +1,11 @@
-"""What `#int8` and `#int4` drafters gain and lose: (1) the time of one product of 1-17 rows
-with the weights out of cache, bfloat16 F.linear against the int8 product (specmtp/int8.py)
-with 8- and 7-bit inputs, torch's weight-only int8 product, and the int4 product
-(specmtp/int4.py); (2) how often the default model's full-vocabulary argmax over its own
-final hidden states (held-out training prompts) is the float32 one, in bfloat16 and in
-int8. docs/mtp-heads.md ("Drafts in int8") and docs/draft-models.md ("Draft layers in
-int4") have one machine's figures each.
+"""What `#int8` drafters gain and lose: (1) the time of one product of 1-17 rows with the
+weights out of cache, bfloat16 F.linear against the int8 product (specmtp/int8.py) with 8-
+and 7-bit inputs, and against torch's weight-only int8 product; (2) how often the default
+model's full-vocabulary argmax over its own final hidden states (held-out training prompts)
+is the float32 one, in bfloat16 and in int8. docs/mtp-heads.md ("Drafts in int8") has one
+machine's figures.
 
-    python scripts/int8_products.py [--prompts FILE] [--shape 8192x576 ...] [--threads 1]
+    python scripts/int8_products.py [--prompts FILE] [--shape 8192x576]
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specmtp import int4, int8
+from specmtp import int8
 from specmtp.models import load_model
 
 HELD_OUT = Path.home() / ".cache/specmtp/runs/heldout7/prompts.jsonl"
@@ -50,10 +49,7 @@ def timings(out_features: int, in_features: int) -> None:
     # weight-only int8 (bfloat16 inputs), the kernel tried first and not used
     weight_only = quantized.weight
     scales = quantized.scale.bfloat16()
-    four_bits = int4.Int4Product(bf16, None)
-    print(
-        "rows  bfloat16  int8 (8-bit inputs)  int8 (7-bit inputs)  weight-only int8  int4 (#int4)"
-    )
+    print("rows  bfloat16  int8 (8-bit inputs)  int8 (7-bit inputs)  weight-only int8")
     for rows in (1, 3, 5, 17):
         x = torch.randn(rows, in_features).bfloat16()
         cells = [cold_ms(lambda rows: F.linear(rows, bf16), x, flush)]
@@ -62,7 +58,6 @@ def timings(out_features: int, in_features: int) -> None:
             cells.append(cold_ms(quantized, x, flush))
         product = lambda rows: torch._weight_int8pack_mm(rows, weight_only, scales)  # noqa: E731
         cells.append(cold_ms(product, x, flush))
-        cells.append(cold_ms(four_bits, x, flush))
         print(f"{rows:4d}  " + "  ".join(f"{c:8.3f}" for c in cells))
 
 
@@ -93,13 +88,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=Path, default=HELD_OUT)
     parser.add_argument("--limit", type=int, default=20)
-    parser.add_argument("--shape", action="append", help="OUTxIN, repeatable (default 8192x576)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--shape", default="8192x576")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    for shape in args.shape or ["8192x576"]:
-        out_features, in_features = (int(n) for n in shape.split("x"))
-        timings(out_features, in_features)
+    torch.set_num_threads(1)
+    out_features, in_features = (int(n) for n in args.shape.split("x"))
+    timings(out_features, in_features)
     if args.prompts.exists():
         agreement(args.prompts, args.limit)
 

@@ -127,8 +127,7 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         "N likeliest continuations), store[:FILE]+SPEC; ngram[:N]|SPEC, store[:FILE]|SPEC "
         "(SPEC mtp or mtp-tree: the copy and the heads' drafts verified as one tree); "
         "#int8 after MTP heads or a draft model: its products in int8, cheaper drafts, the "
-        "same output; #int4 after a draft model: its layers in int4 (output matrix in "
-        "int8); #nodes=N after a draft model: a token tree of its N likeliest "
+        "same output; #nodes=N after a draft model: a token tree of its N likeliest "
         "continuations each round, gamma deep; omitted: plain decoding",
     )
     _add_generation_flags(gen, sampled_gamma="auto")  # api.default_gamma

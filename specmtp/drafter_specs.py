@@ -28,7 +28,6 @@ from specmtp.drafters import Drafter, LookupFirstDrafter, NgramDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.heads import SequentialMTP
 from specmtp.heads_io import load_heads, shipped_heads_dir
-from specmtp.int4 import INT4, use_int4_products
 from specmtp.int8 import INT8, split_int8, use_int8_products
 from specmtp.kernels import tuned_linear_enabled, use_tuned_linear
 from specmtp.merged_drafter import MergedDrafter
@@ -95,12 +94,7 @@ def build_drafter(
     if spec == "store" or spec.startswith(("store:", "store+", "store#")):
         return build_store_drafter(spec, target, dtype=dtype)
     spec, int8 = split_int8(spec)
-    spec, int4 = split_int8(spec, INT4)
-    if int8 and int4:
-        raise SpecMTPError(f"draft {spec!r}: give {INT8} or {INT4}, not both")
     drafter, vocab = build_model_based_drafter(spec, target, dtype=dtype)
-    if int4:
-        return use_int4_drafter(drafter, spec), vocab
     return (use_int8_drafter(drafter, spec) if int8 else drafter), vocab
 
 
@@ -156,20 +150,6 @@ def use_int8_drafter(drafter: Drafter, spec: str) -> Drafter:
     else:
         raise SpecMTPError(f"{INT8} applies to MTP heads and draft models, not to {spec!r}")
     drafter.name = f"{drafter.name}{INT8}"
-    return drafter
-
-
-def use_int4_drafter(drafter: Drafter, spec: str) -> Drafter:
-    """`MODEL#int4`: a draft model's layers in int4, its output matrix and any MTP heads
-    trained on it in int8 (int4.py), its name marked so."""
-    if not isinstance(drafter, DraftModelDrafter):
-        raise SpecMTPError(
-            f"{INT4} applies to draft models, not to {spec!r} (MTP heads take {INT8})"
-        )
-    use_int4_products(drafter.runner.model)  # with its own heads, if it has them
-    if drafter.heads is not None:  # heads trained on it (#heads=DIR): not inside the model
-        use_int8_products(drafter.heads)  # (layers already swapped are left as they are)
-    drafter.name = f"{drafter.name}{INT4}"
     return drafter
 
 

@@ -115,11 +115,11 @@ def use_int8_products(module: nn.Module) -> nn.Module:
             if isinstance(child, nn.Linear):
                 setattr(parent, name, Int8Linear(child))
             elif isinstance(child, VocabProjection) and child.int8 is None:
-                quantize_projection(child)
+                _quantize_projection(child)
     return module
 
 
-def quantize_projection(projection: VocabProjection) -> None:
+def _quantize_projection(projection: VocabProjection) -> None:
     """The projection's product in int8: its float rows give way to the int8 ones."""
     product = Int8Product(projection.weight, None)
     if isinstance(projection.weight, nn.Parameter):
@@ -129,13 +129,13 @@ def quantize_projection(projection: VocabProjection) -> None:
     projection.int8 = product
 
 
-def split_int8(spec: str, option: str = INT8) -> tuple[str, bool]:
+def split_int8(spec: str) -> tuple[str, bool]:
     """`SPEC#int8` (the option anywhere among SPEC's `#` options) -> (SPEC without it, True);
-    a spec without it -> (spec, False). `option` another flag of that kind (`#int4`)."""
+    a spec without it -> (spec, False)."""
     name, *options = spec.split("#")
-    if option[1:] not in options:
+    if INT8[1:] not in options:
         return spec, False
     if not name:
-        raise SpecMTPError(f"bad draft spec {spec!r}: {option} follows a drafter's name")
-    options.remove(option[1:])
+        raise SpecMTPError(f"bad draft spec {spec!r}: {INT8} follows a drafter's name")
+    options.remove(INT8[1:])
     return "#".join([name, *options]), True
