@@ -34,8 +34,8 @@ def test_dynamic_tree_specs(default_model: LoadedModel) -> None:
     assert isinstance(drafter, MTPDrafter) and drafter.nodes == 5
     assert drafter.name == "mtp-tree#nodes=5" and drafter.tree is not None
     for bad, message in [
-        ("mtp#nodes=5", "applies to mtp-tree drafters"),
-        ("ngram#nodes=5", "applies to mtp-tree drafters"),
+        ("mtp#nodes=5", "applies to mtp-tree and draft models"),
+        ("ngram#nodes=5", "applies to mtp-tree and draft models"),
         ("mtp-tree#nodes=0", "N >= 1"),
         ("mtp-tree#nodes=many", "N >= 1"),
         ("mtp@2", "bench --draft` syntax; here give --draft mtp --gamma 2"),
