@@ -35,7 +35,7 @@ from specmtp.draft_model_drafter import DraftModelDrafter
 from specmtp.drafters import Proposal, TokenPath, empty_proposal, paths_proposal
 from specmtp.errors import SpecMTPError
 from specmtp.sampling import logits_to_probs
-from specmtp.tree import TokenTree, best_tree, check_tree_attention
+from specmtp.tree import TokenTree, additive_mask, best_tree, check_tree_attention
 
 BEAM = 4  # nodes expanded per depth, and children kept per expanded node
 TIMING_DEPTH = 8  # the depth of the typical shape T(n) is timed with
@@ -132,12 +132,9 @@ class DraftTreeDrafter(DraftModelDrafter):
         allowed = torch.cat(
             [torch.ones(n, past, dtype=torch.bool), ancestor, torch.eye(n, dtype=torch.bool)], 1
         )  # [E, past + F + E]
-        dtype = self.runner.model.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
         device = self.runner.device
+        mask = additive_mask(allowed.to(device), self.runner.model.dtype)[None, None]
         tokens = torch.tensor([[path[-1] for path in expand]], device=device)  # [1, E]
         positions = torch.full((1, n), past + depth - 1, device=device)  # [1, E]
-        logits = self.runner.forward(
-            tokens, attention_mask=mask[None, None].to(device), position_ids=positions
-        )  # [1, E, V']
+        logits = self.runner.forward(tokens, attention_mask=mask, position_ids=positions)
         return self._full(logits[0])

@@ -302,17 +302,15 @@ def build_small_drafter(
     if tuned_linear_enabled() and draft.device.type == "cpu":
         use_tuned_linear(draft)
     vocab = usable_vocab_size(target, target)
-    if nodes is not None:
-        if draft.heads is not None and not spec.partition(":")[0].endswith("-ar"):
-            raise SpecMTPError(
-                f"a draft tree ({TREE_NODES}N) drafts with the LM head alone: "
-                f"name the draft's -ar form, not {spec!r}"
-            )
-        return DraftTreeDrafter(
-            draft, vocab_size=vocab, nodes=nodes, name=f"{spec}{TREE_NODES}{nodes}"
-        )
     multi_token = draft.heads is not None and not spec.partition(":")[0].endswith("-ar")
-    return DraftModelDrafter(draft, vocab_size=vocab, name=spec, multi_token=multi_token)
+    if nodes is None:
+        return DraftModelDrafter(draft, vocab_size=vocab, name=spec, multi_token=multi_token)
+    if multi_token:
+        raise SpecMTPError(
+            f"a draft tree ({TREE_NODES}N) drafts with the LM head alone: "
+            f"name the draft's -ar form, not {spec!r}"
+        )
+    return DraftTreeDrafter(draft, vocab_size=vocab, nodes=nodes, name=f"{spec}{TREE_NODES}{nodes}")
 
 
 def load_small_draft(spec: str, target: LoadedModel) -> DraftLM:

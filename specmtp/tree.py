@@ -176,10 +176,16 @@ def tree_attention_inputs(
     allowed = torch.cat(
         [torch.ones(n + 1, past_length, dtype=torch.bool), tree.ancestor_mask], 1
     ).to(device)  # [N+1, past+N+1]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
     positions = past_length + torch.tensor((0, *tree.depths), device=device)  # [N+1]
-    return mask[None, None], positions[None]
+    return additive_mask(allowed, dtype)[None, None], positions[None]
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool [q, kv] -> the additive float mask [q, kv]: 0 where allowed, the dtype's minimum
+    elsewhere, as transformers builds its own (eager attention adds it to the scores)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
 
 
 def check_tree_attention(model: PreTrainedModel) -> None:
