@@ -11,6 +11,7 @@ from specmtp.cache import CachedModel, kv_bytes_per_token, module_tensors
 from specmtp.config import SamplingConfig
 from specmtp.draft_model import DraftLM
 from specmtp.drafters import Outcome, Proposal, empty_proposal
+from specmtp.errors import SpecMTPError
 from specmtp.heads import Heads, ParallelHeads, SequentialMTP
 from specmtp.mtp_cache import SequentialDraftCache
 from specmtp.output_vocab import restrict_output_vocab
@@ -34,6 +35,13 @@ class DraftModelDrafter:
     those rows, so each draft step scores N tokens instead of V; its logits are put back
     in the full vocabulary with -inf elsewhere, so q is a distribution over V that is zero
     off those ids.
+
+    With `min_probability` P > 0 (`MODEL#min-p=P`, LM head alone), drafting stops early in a
+    round once the drafted path's own probability (the product of its tokens' q, the
+    distribution they were drawn from) falls below P: the forward that would extend a path
+    the draft itself doubts is skipped; the doubtful token is still proposed (verifying it
+    costs a row, not a forward). As assisted generation's confidence threshold, on the
+    path rather than the token, since a token is accepted only after all before it.
     """
 
     def __init__(
@@ -45,7 +53,13 @@ class DraftModelDrafter:
         multi_token: bool = False,
         heads: Heads | None = None,
         output_ids: torch.Tensor | None = None,
+        min_probability: float = 0.0,
     ) -> None:
+        if not 0.0 <= min_probability < 1.0:
+            raise SpecMTPError(f"a draft's min-p must be in [0, 1), got {min_probability}")
+        if min_probability > 0.0 and (multi_token or heads is not None):
+            raise SpecMTPError("min-p stops a draft model's own tokens, not its heads' drafts")
+        self.min_probability = min_probability
         if multi_token and heads is None:
             heads = getattr(model, "heads", None)
             if heads is None:
@@ -100,7 +114,8 @@ class DraftModelDrafter:
         self.fed = context[:, : self.fed.shape[1]]
         tokens: list[torch.Tensor] = []  # each [B]
         probs: list[torch.Tensor | None] = []  # each [B, V] (sampling)
-        while len(tokens) < k:
+        path = torch.ones(context.shape[0])  # [B]: each row's drafted path's probability
+        while len(tokens) < k and float(path.max()) >= self.min_probability:
             logits = self._full(self.runner.forward(fresh, last_only=True)[:, -1])  # [B, V]
             self.fed = torch.cat([self.fed, fresh], 1)
             if self.history is not None:
@@ -109,6 +124,8 @@ class DraftModelDrafter:
             tokens += [token for token, _ in step]
             probs += [q for _, q in step]
             fresh = torch.stack(tokens[-len(step) :], 1)  # [B, m]: fed next, if more needed
+            if self.min_probability > 0.0:  # one token a step (no heads)
+                path = path * _probability_of(tokens[-1], logits, probs[-1]).cpu()
         draft_probs = None if sampling.greedy or not probs else torch.stack(probs, 1)  # [B,k,V]
         if not tokens:
             return empty_proposal(context.shape[0], context.device)
@@ -176,6 +193,15 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     m = min(a.shape[1], b.shape[1])
     same = (a[:, :m] == b[:, :m]).all(0)  # [m]
     return m if bool(same.all()) else int(same.long().argmin())
+
+
+def _probability_of(
+    token: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None
+) -> torch.Tensor:
+    """The probability [B] the draft gave `token` [B]: under q [B, V] when it sampled, under
+    its own distribution (softmax of the logits [B, V]) when greedy."""
+    dist = torch.softmax(logits.float(), -1) if q is None else q
+    return dist.gather(-1, token[:, None])[:, 0].float()
 
 
 def _draw(

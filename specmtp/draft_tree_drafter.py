@@ -15,8 +15,10 @@ Growing the tree (batch 1, one draft forward per depth, as a chain of the same d
                                                           -> each one's top BEAM children
     propose the `nodes` likeliest paths; crop the draft's cache back to the context
 A node outside the likeliest `nodes` is not expanded: its children rank below it, so none
-could enter. The tree's tokens are fixed choices (the draft's top ones), verified with
-one-hot q at temperature > 0, which keeps sampling lossless.
+could enter. With `min_probability` P (`MODEL#nodes=N#min-p=P`), growth also stops at the
+first depth whose likeliest node to expand has a path probability below P: a forward
+spent on paths the draft itself doubts. The tree's tokens are fixed choices (the draft's
+top ones), verified with one-hot q at temperature > 0, which keeps sampling lossless.
 
 The cache keeps the context only: the next round feeds the accepted path again, in the
 forward that reads the new token (a few rows more in one forward; `catch_up`, counting from
@@ -24,6 +26,8 @@ the context last drafted from, prices them).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from transformers import PreTrainedModel
@@ -54,11 +58,15 @@ class DraftTreeDrafter(DraftModelDrafter):
         name: str = "draft",
         output_ids: torch.Tensor | None = None,
         beam: int = BEAM,
+        min_probability: float = 0.0,
     ) -> None:
         if nodes < 1 or beam < 1:
             raise SpecMTPError(f"a draft tree needs nodes >= 1 and beam >= 1, got {nodes}, {beam}")
         check_tree_attention(model)  # the draft attends over its own tree too
-        super().__init__(model, vocab_size=vocab_size, name=name, output_ids=output_ids)
+        super().__init__(
+            model, vocab_size=vocab_size, name=name, output_ids=output_ids,
+            min_probability=min_probability,
+        )  # fmt: skip
         self.nodes = nodes
         self.beam = min(beam, nodes)
         # What drafter_tree gives: a typical shape, for timing T(n) only (trees change
@@ -87,8 +95,8 @@ class DraftTreeDrafter(DraftModelDrafter):
         fed: list[TokenPath] = []  # tree nodes in the draft's cache after `past`, in order
         for depth in range(1, k):
             expand = [p for p in self._likeliest(scores) if len(p) == depth][: self.beam]
-            if not expand:
-                break  # nothing at this depth can enter the tree
+            if not expand or math.exp(scores[expand[0]]) < self.min_probability:
+                break  # nothing at this depth can enter the tree, or the draft doubts it all
             logits = self._tree_step(expand, fed, past)  # [E, V]
             fed += expand
             scores |= self._children({p: scores[p] for p in expand}, logits, sampling)

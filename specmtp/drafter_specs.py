@@ -104,6 +104,7 @@ def build_model_based_drafter(
     """build_drafter's one-drafter specs: MTP heads, draft models and prompt lookup."""
     target_vocab = usable_vocab_size(target, target)
     spec, heads_dir = split_heads(spec)
+    spec, min_probability = split_probability(spec, MIN_PROBABILITY, f"MODEL{MIN_PROBABILITY}P")
     spec, nodes, tuned = split_tree_nodes(spec, f"SPEC{TREE_NODES}N (or mtp-tree{TUNED_NODES})")
     spec, output_vocab = split_count(spec, OUTPUT_VOCAB, f"MODEL{OUTPUT_VOCAB}N")
     method, _, argument = spec.partition(":")
@@ -113,6 +114,9 @@ def build_model_based_drafter(
         )
     if nodes is not None and method in ("mtp", "ngram"):
         raise SpecMTPError(f"{TREE_NODES}N applies to mtp-tree and draft models, not to {spec!r}")
+    if min_probability is not None and (method in ("mtp", "mtp-tree", "ngram") or heads_dir):
+        raise SpecMTPError(f"{MIN_PROBABILITY}P applies to draft models drafting with their "
+                           f"LM head, not to {spec!r}")  # fmt: skip
     for option, value in ((OUTPUT_VOCAB + "N", output_vocab), (DRAFT_HEADS + "DIR", heads_dir)):
         if value is not None and (
             method in ("mtp", "mtp-tree", "draft", "draft-ar", "ngram") or method in SHIPPED_DRAFTS
@@ -125,7 +129,9 @@ def build_model_based_drafter(
             spec, target, tree=method == "mtp-tree", path=argument, nodes=nodes, tuned=tuned
         ), target_vocab
     if method in SHIPPED_DRAFTS or method in ("draft", "draft-ar"):
-        return build_small_drafter(spec, target, nodes=nodes), target_vocab
+        return build_small_drafter(
+            spec, target, nodes=nodes, min_probability=min_probability or 0.0
+        ), target_vocab
     if spec == "ngram" or spec.startswith("ngram:"):
         size = spec.partition(":")[2] or "3"
         if not size.isdigit() or int(size) < 1:
@@ -135,8 +141,9 @@ def build_model_based_drafter(
         raise SpecMTPError(f"a draft tree ({TREE_NODES}N) drafts with the model's LM head, not "
                            f"with heads ({DRAFT_HEADS}DIR): {spec!r}")  # fmt: skip
     return build_model_drafter(
-        spec, target, dtype=dtype, output_vocab=output_vocab, heads_dir=heads_dir, nodes=nodes
-    )
+        spec, target, dtype=dtype, output_vocab=output_vocab, heads_dir=heads_dir, nodes=nodes,
+        min_probability=min_probability or 0.0,
+    )  # fmt: skip
 
 
 def use_int8_drafter(drafter: Drafter, spec: str) -> Drafter:
@@ -161,10 +168,12 @@ def build_model_drafter(
     output_vocab: int | None = None,
     heads_dir: str | None = None,
     nodes: int | None = None,
+    min_probability: float = 0.0,
 ) -> tuple[DraftModelDrafter, int]:
     """A causal LM with the target's tokenizer, given by name or path, drafting on its own
     or, with `heads_dir`, with MTP heads trained on it (several tokens a forward); with
-    `nodes`, a token tree of that many nodes a round."""
+    `nodes`, a token tree of that many nodes a round; drafting no further in a round than
+    paths of at least `min_probability`."""
     draft = load_model(spec, dtype=dtype)
     check_tokenizers_agree(
         target.tokenizer, draft.tokenizer, target_name=target.spec, draft_name=draft.spec
@@ -181,18 +190,20 @@ def build_model_drafter(
             )
     name = spec if output_vocab is None else f"{spec}{OUTPUT_VOCAB}{output_vocab}"
     name = name if heads_dir is None else f"{name}{DRAFT_HEADS}{heads_dir}"
+    name = name if not min_probability else f"{name}{MIN_PROBABILITY}{min_probability:g}"
     kept = None
     if output_vocab is not None:
         kept = output_vocab_ids(draft, output_vocab, vocab, always=eos_token_ids(draft))
     if nodes is not None:
         tree = DraftTreeDrafter(
             draft.model, vocab_size=vocab, nodes=nodes, name=f"{name}{TREE_NODES}{nodes}",
-            output_ids=kept,
+            output_ids=kept, min_probability=min_probability,
         )  # fmt: skip
         return tree, vocab
     drafter = DraftModelDrafter(
-        draft.model, vocab_size=vocab, name=name, heads=heads, output_ids=kept
-    )
+        draft.model, vocab_size=vocab, name=name, heads=heads, output_ids=kept,
+        min_probability=min_probability,
+    )  # fmt: skip
     return drafter, vocab
 
 
@@ -293,24 +304,32 @@ def load_store(path: str, target: LoadedModel) -> Datastore:
 
 
 def build_small_drafter(
-    spec: str, target: LoadedModel, *, nodes: int | None = None
+    spec: str, target: LoadedModel, *, nodes: int | None = None, min_probability: float = 0.0
 ) -> DraftModelDrafter:
     """A draft made by `specmtp distill`: shipped by name, or from a directory. It drafts
     several tokens per forward when it has MTP heads, unless the spec ends in `-ar`; with
-    `nodes`, a token tree of that many nodes a round, with its LM head."""
+    `nodes`, a token tree of that many nodes a round, with its LM head; drafting no further
+    in a round than paths of at least `min_probability` (LM head alone too)."""
     draft = load_small_draft(spec, target)
     if tuned_linear_enabled() and draft.device.type == "cpu":
         use_tuned_linear(draft)
     vocab = usable_vocab_size(target, target)
     multi_token = draft.heads is not None and not spec.partition(":")[0].endswith("-ar")
-    if nodes is None:
-        return DraftModelDrafter(draft, vocab_size=vocab, name=spec, multi_token=multi_token)
-    if multi_token:
+    if multi_token and (nodes is not None or min_probability):
+        option = f"{TREE_NODES}N" if nodes is not None else f"{MIN_PROBABILITY}P"
         raise SpecMTPError(
-            f"a draft tree ({TREE_NODES}N) drafts with the LM head alone: "
-            f"name the draft's -ar form, not {spec!r}"
+            f"{option} drafts with the LM head alone: name the draft's -ar form, not {spec!r}"
         )
-    return DraftTreeDrafter(draft, vocab_size=vocab, nodes=nodes, name=f"{spec}{TREE_NODES}{nodes}")
+    name = spec if not min_probability else f"{spec}{MIN_PROBABILITY}{min_probability:g}"
+    if nodes is None:
+        return DraftModelDrafter(
+            draft, vocab_size=vocab, name=name, multi_token=multi_token,
+            min_probability=min_probability,
+        )  # fmt: skip
+    return DraftTreeDrafter(
+        draft, vocab_size=vocab, nodes=nodes, name=f"{name}{TREE_NODES}{nodes}",
+        min_probability=min_probability,
+    )  # fmt: skip
 
 
 def load_small_draft(spec: str, target: LoadedModel) -> DraftLM:

@@ -7,7 +7,8 @@ a draft model's tree of its 4 likeliest continuations (draft_tree_drafter.py);
 `MODEL#vocab=N` cuts a draft model's output matrix to N tokens; `MODEL#heads=DIR` drafts
 with MTP heads trained on that draft model (`specmtp train-mtp --target MODEL`). `#heads=`
 comes last: its path runs to the end of the spec. `store:FILE#min-p=0.5` drafts from a
-datastore only while its continuation's estimated probability is at least 0.5.
+datastore only while its continuation's estimated probability is at least 0.5;
+`MODEL#min-p=0.3` a draft model only while its path's own probability is at least 0.3.
 """
 
 from __future__ import annotations
@@ -54,10 +55,13 @@ def split_heads(spec: str) -> tuple[str, str | None]:
 
 def split_probability(spec: str, option: str, usage: str) -> tuple[str, float | None]:
     """`BASE{option}P` -> (BASE, P) with 0 <= P < 1; a spec without the option -> (spec,
-    None). `usage` is how the option is written, for the error message."""
+    None). Options after P stay with BASE (`D#min-p=0.3#nodes=4` -> (`D#nodes=4`, 0.3)).
+    `usage` is how the option is written, for the error message."""
     base, found, text = spec.partition(option)
     if not found:
         return spec, None
+    text, more, rest = text.partition("#")
+    base += more + rest
     try:
         value = float(text)
     except ValueError:

@@ -4,6 +4,7 @@ back at the context after each round, the sampled output the target's, and the s
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -51,11 +52,13 @@ def make_draft(target: PreTrainedModel, *, copy: bool, seed: int = 1) -> DraftLM
 
 
 def reference_scores(
-    draft: DraftLM, context: list[int], k: int, nodes: int, beam: int
+    draft: DraftLM, context: list[int], k: int, nodes: int, beam: int, min_probability: float = 0.0
 ) -> dict[TokenPath, float]:
     """The slow reference: the tree grown as draft_tree_drafter's docstring says, every
     node's log-probabilities from a fresh forward over the context and its path (no cache,
-    no tree mask). The `nodes` likeliest paths, with their log-probabilities."""
+    no tree mask), growth stopping at the first depth whose likeliest node to expand has
+    a probability below `min_probability`. The `nodes` likeliest paths, with their
+    log-probabilities."""
 
     def children(path: TokenPath) -> dict[TokenPath, float]:
         with torch.no_grad():
@@ -70,7 +73,10 @@ def reference_scores(
 
     scores = children(())
     for depth in range(1, k):
-        for path in [p for p in likeliest(scores) if len(p) == depth][:beam]:
+        expand = [p for p in likeliest(scores) if len(p) == depth][:beam]
+        if expand and math.exp(scores[expand[0]]) < min_probability:
+            break
+        for path in expand:
             scores |= {c: v + scores[path] for c, v in children(path).items()}
     return {p: scores[p] for p in likeliest(scores)}
 
