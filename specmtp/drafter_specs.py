@@ -74,8 +74,10 @@ def build_drafter(
     as for the target, with `#vocab=N` (its output matrix cut to N tokens) and/or
     `#heads=DIR` last (MTP heads trained on that model), and `#nodes=N` (a token tree of
     its N likeliest continuations a round, draft_tree_drafter.py; draft models and shipped
-    drafts too). MTP heads and draft models take `#int8` among their options: int8
-    products, cheaper drafts (int8.py). A Drafter object is used as is.
+    drafts too), and `#min-p=P` (no deeper in a round than the draft's own path
+    probability >= P; draft models and shipped drafts drafting with their LM head). MTP
+    heads and draft models take `#int8` among their options: int8 products, cheaper drafts
+    (int8.py). A Drafter object is used as is.
     """
     target_vocab = usable_vocab_size(target, target)
     if spec is None or not isinstance(spec, str):
