@@ -15,7 +15,7 @@ from specmtp.drafters import Drafter
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import apply_kernel_plan
 from specmtp.models import LoadedModel, load_model
-from specmtp.mtp_drafter import MTPDrafter, dynamic_tree_heads
+from specmtp.mtp_drafter import MTPDrafter, dynamic_tree_drafter
 from specmtp.profile import Profile, check_profile_weights, weights_fingerprint
 from specmtp.specs import TUNED_NODES
 from specmtp.stats import GenerationStats
@@ -60,7 +60,7 @@ def use_profile_tree(profile: Profile, drafter: Drafter | None) -> None:
 def use_profile_nodes(profile: Profile, drafter: Drafter | None) -> None:
     """`#nodes=auto` takes the profile's node count; a fixed `#nodes=N` must be that count
     (a profile given by path may have been tuned for another)."""
-    heads = dynamic_tree_heads(drafter)
+    heads = dynamic_tree_drafter(drafter)
     if heads is None:
         raise SpecMTPError(
             f"profile for {profile.draft!r} holds a node count, but this draft has no dynamic tree"
@@ -97,7 +97,7 @@ class SpecGenerator:
             meta = profile.meta
             apply_kernel_plan(self.target.model, meta.get("kernel_plan"), meta.get("kernel_layout"))
             use_profile_tree(profile, drafter)
-        if (heads := dynamic_tree_heads(drafter)) is not None:
+        if (heads := dynamic_tree_drafter(drafter)) is not None:
             heads.check_nodes_known()  # `#nodes=auto` without a profile: fail before any work
         tokenizer = self.target.tokenizer
         self.decoder = SpecDecoder(

@@ -36,7 +36,13 @@ from specmtp.config import SamplingConfig
 from specmtp.datastore import TIMING_RANK_PROBS
 from specmtp.draft_model import DraftLM
 from specmtp.draft_model_drafter import DraftModelDrafter
-from specmtp.drafters import Proposal, TokenPath, empty_proposal, paths_proposal
+from specmtp.drafters import (
+    Proposal,
+    TokenPath,
+    check_nodes_known,
+    empty_proposal,
+    paths_proposal,
+)
 from specmtp.errors import SpecMTPError
 from specmtp.sampling import logits_to_probs
 from specmtp.tree import TokenTree, additive_mask, best_tree, check_tree_attention
@@ -54,24 +60,44 @@ class DraftTreeDrafter(DraftModelDrafter):
         model: PreTrainedModel | DraftLM,
         *,
         vocab_size: int,
-        nodes: int,
+        nodes: int | None,
         name: str = "draft",
         output_ids: torch.Tensor | None = None,
         beam: int = BEAM,
         min_probability: float = 0.0,
+        tuned_nodes: bool = False,
     ) -> None:
-        if nodes < 1 or beam < 1:
-            raise SpecMTPError(f"a draft tree needs nodes >= 1 and beam >= 1, got {nodes}, {beam}")
+        if (nodes is None) != tuned_nodes or beam < 1:
+            raise SpecMTPError("a draft tree needs nodes >= 1 (or tuned ones) and beam >= 1")
         check_tree_attention(model)  # the draft attends over its own tree too
         super().__init__(
             model, vocab_size=vocab_size, name=name, output_ids=output_ids,
             min_probability=min_probability,
         )  # fmt: skip
+        self.most_beam = beam
+        self.tuned_nodes = tuned_nodes  # `#nodes=auto`: the count comes from a tuning profile
         self.nodes = nodes
-        self.beam = min(beam, nodes)
+
+    @property
+    def nodes(self) -> int | None:
+        return self._nodes
+
+    @nodes.setter
+    def nodes(self, nodes: int | None) -> None:
+        """Set by the spec, or later by a tuning profile or `specmtp tune` (`#nodes=auto`)."""
+        if nodes is not None and nodes < 1:
+            raise SpecMTPError(f"a draft tree needs nodes >= 1, got {nodes}")
+        self._nodes = nodes
+        self.beam = self.most_beam if nodes is None else min(self.most_beam, nodes)
         # What drafter_tree gives: a typical shape, for timing T(n) only (trees change
-        # every round).
-        self.timing_tree: TokenTree = best_tree([TIMING_RANK_PROBS] * TIMING_DEPTH, nodes)
+        # every round); none until the count is known.
+        self.timing_tree: TokenTree | None = (
+            None if nodes is None else best_tree([TIMING_RANK_PROBS] * TIMING_DEPTH, nodes)
+        )
+
+    def check_nodes_known(self) -> None:
+        """`#nodes=auto` drafts only once a profile (or tune) has set the node count."""
+        check_nodes_known(self.name, self.tuned_nodes, self.nodes)
 
     @torch.inference_mode()
     def propose(
@@ -81,6 +107,7 @@ class DraftTreeDrafter(DraftModelDrafter):
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> Proposal:
+        self.check_nodes_known()
         if context.shape[0] != 1:
             raise SpecMTPError("a draft tree drafts one sequence at a time (batch size 1)")
         if k < 1:

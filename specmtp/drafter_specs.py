@@ -110,12 +110,9 @@ def build_model_based_drafter(
     spec, nodes, tuned = split_tree_nodes(spec, f"SPEC{TREE_NODES}N (or mtp-tree{TUNED_NODES})")
     spec, output_vocab = split_count(spec, OUTPUT_VOCAB, f"MODEL{OUTPUT_VOCAB}N")
     method, _, argument = spec.partition(":")
-    if tuned and method != "mtp-tree":
-        raise SpecMTPError(
-            f"{TUNED_NODES} applies to mtp-tree drafters; give {spec!r} {TREE_NODES}N"
-        )
-    if nodes is not None and method in ("mtp", "ngram"):
-        raise SpecMTPError(f"{TREE_NODES}N applies to mtp-tree and draft models, not to {spec!r}")
+    if (nodes is not None or tuned) and method in ("mtp", "ngram"):
+        option = TUNED_NODES if tuned else f"{TREE_NODES}N"
+        raise SpecMTPError(f"{option} applies to mtp-tree and draft models, not to {spec!r}")
     if min_probability is not None and (method in ("mtp", "mtp-tree", "ngram") or heads_dir):
         raise SpecMTPError(f"{MIN_PROBABILITY}P applies to draft models drafting with their "
                            f"LM head, not to {spec!r}")  # fmt: skip
@@ -132,19 +129,19 @@ def build_model_based_drafter(
         ), target_vocab
     if method in SHIPPED_DRAFTS or method in ("draft", "draft-ar"):
         return build_small_drafter(
-            spec, target, nodes=nodes, min_probability=min_probability or 0.0
+            spec, target, nodes=nodes, tuned=tuned, min_probability=min_probability or 0.0
         ), target_vocab
     if spec == "ngram" or spec.startswith("ngram:"):
         size = spec.partition(":")[2] or "3"
         if not size.isdigit() or int(size) < 1:
             raise SpecMTPError(f"bad n-gram draft spec {spec!r}: use ngram or ngram:N with N >= 1")
         return NgramDrafter(max_ngram=int(size)), target_vocab
-    if nodes is not None and heads_dir is not None:
+    if (nodes is not None or tuned) and heads_dir is not None:
         raise SpecMTPError(f"a draft tree ({TREE_NODES}N) drafts with the model's LM head, not "
                            f"with heads ({DRAFT_HEADS}DIR): {spec!r}")  # fmt: skip
     return build_model_drafter(
         spec, target, dtype=dtype, output_vocab=output_vocab, heads_dir=heads_dir, nodes=nodes,
-        min_probability=min_probability or 0.0,
+        tuned=tuned, min_probability=min_probability or 0.0,
     )  # fmt: skip
 
 
@@ -170,12 +167,14 @@ def build_model_drafter(
     output_vocab: int | None = None,
     heads_dir: str | None = None,
     nodes: int | None = None,
+    tuned: bool = False,
     min_probability: float = 0.0,
 ) -> tuple[DraftModelDrafter, int]:
     """A causal LM with the target's tokenizer, given by name or path, drafting on its own
     or, with `heads_dir`, with MTP heads trained on it (several tokens a forward); with
-    `nodes`, a token tree of that many nodes a round; drafting no further in a round than
-    paths of at least `min_probability`."""
+    `nodes`, a token tree of that many nodes a round (`tuned`: as many as its tuning
+    profile gives); drafting no further in a round than paths of at least
+    `min_probability`."""
     draft = load_model(spec, dtype=dtype)
     check_tokenizers_agree(
         target.tokenizer, draft.tokenizer, target_name=target.spec, draft_name=draft.spec
@@ -196,10 +195,10 @@ def build_model_drafter(
     kept = None
     if output_vocab is not None:
         kept = output_vocab_ids(draft, output_vocab, vocab, always=eos_token_ids(draft))
-    if nodes is not None:
+    if nodes is not None or tuned:
         tree = DraftTreeDrafter(
-            draft.model, vocab_size=vocab, nodes=nodes, name=f"{name}{TREE_NODES}{nodes}",
-            output_ids=kept, min_probability=min_probability,
+            draft.model, vocab_size=vocab, nodes=nodes, name=tree_name(name, nodes),
+            output_ids=kept, min_probability=min_probability, tuned_nodes=tuned,
         )  # fmt: skip
         return tree, vocab
     drafter = DraftModelDrafter(
@@ -306,7 +305,12 @@ def load_store(path: str, target: LoadedModel) -> Datastore:
 
 
 def build_small_drafter(
-    spec: str, target: LoadedModel, *, nodes: int | None = None, min_probability: float = 0.0
+    spec: str,
+    target: LoadedModel,
+    *,
+    nodes: int | None = None,
+    tuned: bool = False,
+    min_probability: float = 0.0,
 ) -> DraftModelDrafter:
     """A draft made by `specmtp distill`: shipped by name, or from a directory. It drafts
     several tokens per forward when it has MTP heads, unless the spec ends in `-ar`; with
@@ -317,21 +321,26 @@ def build_small_drafter(
         use_tuned_linear(draft)
     vocab = usable_vocab_size(target, target)
     multi_token = draft.heads is not None and not spec.partition(":")[0].endswith("-ar")
-    if multi_token and (nodes is not None or min_probability):
-        option = f"{TREE_NODES}N" if nodes is not None else f"{MIN_PROBABILITY}P"
+    if multi_token and (nodes is not None or tuned or min_probability):
+        option = f"{MIN_PROBABILITY}P" if min_probability else f"{TREE_NODES}N"
         raise SpecMTPError(
             f"{option} drafts with the LM head alone: name the draft's -ar form, not {spec!r}"
         )
     name = spec if not min_probability else f"{spec}{MIN_PROBABILITY}{min_probability:g}"
-    if nodes is None:
+    if nodes is None and not tuned:
         return DraftModelDrafter(
             draft, vocab_size=vocab, name=name, multi_token=multi_token,
             min_probability=min_probability,
         )  # fmt: skip
     return DraftTreeDrafter(
-        draft, vocab_size=vocab, nodes=nodes, name=f"{name}{TREE_NODES}{nodes}",
-        min_probability=min_probability,
+        draft, vocab_size=vocab, nodes=nodes, name=tree_name(name, nodes),
+        min_probability=min_probability, tuned_nodes=tuned,
     )  # fmt: skip
+
+
+def tree_name(name: str, nodes: int | None) -> str:
+    """A draft tree's name: the draft's, then `#nodes=N`, or `#nodes=auto` (tuned)."""
+    return f"{name}{TUNED_NODES}" if nodes is None else f"{name}{TREE_NODES}{nodes}"
 
 
 def load_small_draft(spec: str, target: LoadedModel) -> DraftLM:

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from specmtp.config import SamplingConfig
+from specmtp.errors import SpecMTPError
 from specmtp.tree import Path, TokenTree
 
 
@@ -297,3 +298,13 @@ class LookupFirstDrafter:
 
     def kv_bytes_per_token(self) -> int:
         return self.fallback.kv_bytes_per_token()
+
+
+def check_nodes_known(name: str, tuned: bool, nodes: int | None) -> None:
+    """A dynamic tree with `#nodes=auto` drafts only once a profile (or tune) has set its
+    node count."""
+    if tuned and nodes is None:
+        raise SpecMTPError(
+            f"{name} takes its node count from its tuning profile, and no profile gave one: "
+            f"run `specmtp tune --draft '{name}'` first, or give #nodes=N"
+        )

@@ -8,12 +8,14 @@ import torch
 
 from specmtp.cache import module_tensors
 from specmtp.config import SamplingConfig
+from specmtp.draft_tree_drafter import DraftTreeDrafter
 from specmtp.drafters import (
     Drafter,
     LookupFirstDrafter,
     Outcome,
     Proposal,
     TokenPath,
+    check_nodes_known,
     empty_proposal,
 )
 from specmtp.errors import SpecMTPError
@@ -110,11 +112,7 @@ class MTPDrafter:
 
     def check_nodes_known(self) -> None:
         """`#nodes=auto` drafts only once a profile (or tune) has set the node count."""
-        if self.tuned_nodes and self.nodes is None:
-            raise SpecMTPError(
-                f"{self.name} takes its node count from its tuning profile, and no profile "
-                f"gave one: run `specmtp tune --draft '{self.name}'` first, or give #nodes=N"
-            )
+        check_nodes_known(self.name, self.tuned_nodes, self.nodes)
 
     def _head_logits(self, k: int) -> torch.Tensor:
         """Parallel heads' logits over the full vocabulary for depths 1..k: [B, k, V]."""
@@ -179,12 +177,15 @@ def drafter_tree(drafter: Drafter | None) -> TokenTree | None:
     return tree
 
 
-def dynamic_tree_heads(drafter: Drafter | None) -> MTPDrafter | None:
-    """The MTP heads drafting a dynamic tree (`mtp-tree#nodes=N` or `#nodes=auto`) inside a
-    drafter: itself, or a lookup-first or merged drafter's heads; None otherwise."""
+def dynamic_tree_drafter(drafter: Drafter | None) -> MTPDrafter | DraftTreeDrafter | None:
+    """The drafter of a dynamic tree whose node count is set or tuned (`#nodes=N` or
+    `#nodes=auto`): MTP heads (`mtp-tree#nodes=...`) or a draft model's tree
+    (`MODEL#nodes=...`), itself or inside a lookup-first or merged drafter; None otherwise."""
     if isinstance(drafter, LookupFirstDrafter):
-        return dynamic_tree_heads(drafter.fallback)
+        return dynamic_tree_drafter(drafter.fallback)
     if isinstance(drafter, MTPDrafter) and (drafter.nodes is not None or drafter.tuned_nodes):
+        return drafter
+    if isinstance(drafter, DraftTreeDrafter):
         return drafter
     return None
 

@@ -28,7 +28,7 @@ from specmtp.drafters import has_arms
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import MAX_ROWS, measure_kernel_plan
 from specmtp.models import DTYPES, load_model
-from specmtp.mtp_drafter import drafter_tree, dynamic_tree_heads
+from specmtp.mtp_drafter import drafter_tree, dynamic_tree_drafter
 from specmtp.profile import Profile
 from specmtp.stats import GenerationStats
 from specmtp.train_prompts import load_train_prompts
@@ -126,7 +126,7 @@ def run_tune(config: TuneConfig, *, log: Log) -> Profile:
     log(f"loading target {config.target} and draft {config.draft}")
     target = load_model(config.target, dtype=DTYPES[config.dtype])
     drafter, _ = build_drafter(config.draft, target, dtype=target.model.dtype)
-    heads = dynamic_tree_heads(drafter)
+    heads = dynamic_tree_drafter(drafter)
     counts = node_counts(heads, drafter, config, log)
     if heads is not None and counts:
         heads.nodes = max(counts)  # the warm-up and kernel plan below, then the sweep's own

@@ -253,7 +253,7 @@ def test_a_model_given_by_path_drafts_a_tree(loaded_target: LoadedModel, tiny_ta
     ("spec", "message"),
     [
         ("draft:{root}/mtp#nodes=4", "LM head alone"),
-        ("draft:{root}/same#nodes=auto", "applies to mtp-tree"),
+        ("ngram#nodes=auto", "#nodes=auto applies to mtp-tree and draft models"),
         ("ngram#nodes=4", "applies to mtp-tree and draft models"),
         ("mtp#nodes=4", "applies to mtp-tree and draft models"),
         ("draft:{root}/same#nodes=0", "N >= 1"),

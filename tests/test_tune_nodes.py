@@ -1,6 +1,6 @@
 """A dynamic tree's node count left to tuning: `mtp-tree#nodes=auto` alone, after `ngram+`
-and merged after `ngram|` (specs.split_tree_nodes, tune.node_counts, tune.build_nodes_profile,
-api.use_profile_nodes).
+and merged after `ngram|`, and a draft model's tree `MODEL#nodes=auto` (specs.split_tree_nodes,
+tune.node_counts, tune.build_nodes_profile, api.use_profile_nodes).
 
 One tune run of the lookup-first drafter on the default model (node counts 2 and 4, 2 short
 prompts) is shared by the end-to-end tests. Which count is fastest depends on the machine:
@@ -21,13 +21,14 @@ from specmtp.api import SpecGenerator, make_config
 from specmtp.drafter_specs import build_drafter
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel
-from specmtp.mtp_drafter import dynamic_tree_heads
+from specmtp.mtp_drafter import dynamic_tree_drafter
 from specmtp.profile import Profile, default_profile_path, sweep_table
 from specmtp.specs import split_tree_nodes
 from specmtp.tune_nodes import node_counts
 from specmtp.tune_runs import TuneConfig
 
 DRAFT = "ngram+mtp-tree#nodes=auto"
+DRAFT_TREE = "distilled#int8#nodes=auto"  # a draft model's tree (draft_tree_drafter.py)
 NEW_TOKENS = 12
 SHIPPED_TREE_NODES = 16  # the shipped heads' tree.json
 
@@ -58,14 +59,14 @@ def test_bad_node_counts_are_refused(spec: str, message: str) -> None:
         split_tree_nodes(spec, "N")
 
 
-def test_auto_nodes_apply_to_mtp_trees_only(default_model: LoadedModel) -> None:
-    for spec in ("mtp#nodes=auto", "ngram+mtp#nodes=auto"):
-        with pytest.raises(SpecMTPError, match="applies to mtp-tree drafters"):
+def test_auto_nodes_apply_to_mtp_trees_and_draft_models_only(default_model: LoadedModel) -> None:
+    for spec in ("mtp#nodes=auto", "ngram+mtp#nodes=auto", "ngram#nodes=auto"):
+        with pytest.raises(SpecMTPError, match="applies to mtp-tree and draft models"):
             build_drafter(spec, default_model)
 
 
 def test_auto_nodes_without_a_profile_fail_before_any_work(default_model: LoadedModel) -> None:
-    for spec in ("mtp-tree#nodes=auto", DRAFT, "ngram|mtp-tree#nodes=auto"):
+    for spec in ("mtp-tree#nodes=auto", DRAFT, "ngram|mtp-tree#nodes=auto", DRAFT_TREE):
         with pytest.raises(SpecMTPError, match="takes its node count from its tuning profile"):
             SpecGenerator(default_model, draft=spec)
 
@@ -82,6 +83,10 @@ def test_auto_nodes_without_a_profile_fail_before_any_work(default_model: Loaded
         ("mtp-tree#nodes=5", (5,), None),
         ("ngram+mtp-tree#nodes=5", (), None),
         ("mtp-tree", (), None),
+        # a draft model's tree: no tree bounds its count; a fixed count has its γ swept
+        (DRAFT_TREE, (2, 40), None),
+        (f"ngram+{DRAFT_TREE}", (2, 40), None),
+        ("distilled#nodes=4", (), None),
     ],
 )
 def test_node_counts_swept(
@@ -92,7 +97,7 @@ def test_node_counts_swept(
     config = TuneConfig(prompts=(train,), draft=spec, budgets=(40, 2))
     drafter, _ = build_drafter(spec, default_model)
     lines: list[str] = []
-    assert node_counts(dynamic_tree_heads(drafter), drafter, config, lines.append) == counts
+    assert node_counts(dynamic_tree_drafter(drafter), drafter, config, lines.append) == counts
     if dropped is not None:
         assert any(line.startswith(dropped) for line in lines), lines
 
@@ -168,7 +173,7 @@ def test_dynamic_tree_verifies_exactly_the_profiles_count(
         profile = replace(nodes_profile, draft="mtp-tree#nodes=auto", model_gamma=None,
                           arm_alphas={}, nodes=count)  # fmt: skip
         gen = SpecGenerator(default_model, draft="mtp-tree#nodes=auto", profile=profile)
-        heads = dynamic_tree_heads(gen.decoder.drafter)
+        heads = dynamic_tree_drafter(gen.decoder.drafter)
         assert heads is not None and heads.nodes == count
         stats = gen.generate("Name the days of the week.", chat=True, max_new_tokens=10).stats
         assert set(stats.verify_sizes) - {1} == {count + 1}  # 1: the first, headless round
@@ -230,3 +235,36 @@ def test_alpha_priors_hold_under_the_sampling_they_were_tuned_with(
         prior = list(profile.arm_alphas["model"][: schedule.max_gamma])
         assert schedule.prior == (prior if temperature == tuned_at else [])
         assert schedule.cost.verify_s == profile.cost_model.verify_s
+
+
+# --- a draft model's tree: tune --draft 'distilled#int8#nodes=auto' --------------------
+
+
+def test_tune_picks_a_draft_trees_node_count_and_generation_uses_it(
+    default_model: LoadedModel, tmp_path: Path
+) -> None:
+    """The sweep runs each count with the adaptive schedule (a draft tree is as deep as γ),
+    keeps the fastest measured one, and a generator given the profile drafts trees of
+    that many nodes; its greedy text is plain decoding's."""
+    train = write_train_prompts(tmp_path / "train")
+    path = tmp_path / "tree.json"
+    code, out, err = run_captured(
+        "tune", "--prompts", str(train), "--draft", DRAFT_TREE, "--budgets", "1,3",
+        "--limit", "1", "--max-new-tokens", str(NEW_TOKENS), "--max-gamma", "3",
+        "--out", str(path), "--threads", "1",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "tokens/s by nodes verified a round" in err
+    profile = Profile.load(path)
+    assert [row["budget"] for row in profile.sweep] == [0, 1, 3]
+    assert profile.meta["node_sweep"] == {"depth": 3, "lookup_gamma": None, "schedule": "adaptive"}
+    fastest = max(profile.sweep[1:], key=lambda row: row["measured_speedup"])
+    assert profile.nodes == fastest["budget"]
+    gen = SpecGenerator(default_model, draft=DRAFT_TREE, profile=profile)
+    tree = dynamic_tree_drafter(gen.decoder.drafter)
+    assert tree is not None and tree.nodes == profile.nodes
+    prompt = "Name the days of the week."
+    stats = gen.generate(prompt, chat=True, max_new_tokens=10, gamma=3).stats
+    assert max(stats.verify_sizes) <= profile.nodes + 1
+    plain = SpecGenerator(default_model).generate(prompt, chat=True, max_new_tokens=10)
+    assert gen.generate(prompt, chat=True, max_new_tokens=10, gamma=3).tokens == plain.tokens
