@@ -260,6 +260,7 @@ def test_tune_picks_a_draft_trees_node_count_and_generation_uses_it(
     assert profile.meta["node_sweep"] == {"depth": 3, "lookup_gamma": None, "schedule": "adaptive"}
     fastest = max(profile.sweep[1:], key=lambda row: row["measured_speedup"])
     assert profile.nodes == fastest["budget"]
+    assert f"best node count {profile.nodes}" in out and last_json(out) == profile.to_dict()
     gen = SpecGenerator(default_model, draft=DRAFT_TREE, profile=profile)
     tree = dynamic_tree_drafter(gen.decoder.drafter)
     assert tree is not None and tree.nodes == profile.nodes
