@@ -191,7 +191,7 @@ def build_model_drafter(
             )
     name = spec if output_vocab is None else f"{spec}{OUTPUT_VOCAB}{output_vocab}"
     name = name if heads_dir is None else f"{name}{DRAFT_HEADS}{heads_dir}"
-    name = name if not min_probability else f"{name}{MIN_PROBABILITY}{min_probability:g}"
+    name = min_p_name(name, min_probability)
     kept = None
     if output_vocab is not None:
         kept = output_vocab_ids(draft, output_vocab, vocab, always=eos_token_ids(draft))
@@ -326,7 +326,7 @@ def build_small_drafter(
         raise SpecMTPError(
             f"{option} drafts with the LM head alone: name the draft's -ar form, not {spec!r}"
         )
-    name = spec if not min_probability else f"{spec}{MIN_PROBABILITY}{min_probability:g}"
+    name = min_p_name(spec, min_probability)
     if nodes is None and not tuned:
         return DraftModelDrafter(
             draft, vocab_size=vocab, name=name, multi_token=multi_token,
@@ -336,6 +336,11 @@ def build_small_drafter(
         draft, vocab_size=vocab, nodes=nodes, name=tree_name(name, nodes),
         min_probability=min_probability, tuned_nodes=tuned,
     )  # fmt: skip
+
+
+def min_p_name(name: str, min_probability: float) -> str:
+    """A draft's name with its `#min-p=P`, when P > 0."""
+    return f"{name}{MIN_PROBABILITY}{min_probability:g}" if min_probability else name
 
 
 def tree_name(name: str, nodes: int | None) -> str:

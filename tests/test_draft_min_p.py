@@ -9,8 +9,9 @@ import math
 from pathlib import Path
 
 import pytest
+import test_draft_tree
 import torch
-from conftest import TINY_VOCAB, hf_greedy, tiny_model
+from conftest import TINY_VOCAB, hf_greedy
 from lossless_models import TINY_V, decoder_counts, peaked_target_and_draft, target_joint
 from lossless_stats import fit
 from test_draft_tree import PROMPT, make_draft, proposed_paths, reference_scores
@@ -20,26 +21,23 @@ from transformers import PreTrainedModel
 from specmtp import decode
 from specmtp.api import SpecGenerator, build_drafter, eos_token_ids
 from specmtp.config import GenerationConfig, SamplingConfig
-from specmtp.draft_model import DraftLM, draft_config_for, save_draft
+from specmtp.draft_model import DraftLM
 from specmtp.draft_model_drafter import DraftModelDrafter
 from specmtp.draft_tree_drafter import DraftTreeDrafter
 from specmtp.drafters import LookupFirstDrafter
 from specmtp.errors import SpecMTPError
-from specmtp.models import LoadedModel, load_model
+from specmtp.models import LoadedModel
+
+# test_draft_tree's fixtures: its peaked tiny Llama (a random draft of it is sure of some
+# tokens and unsure of others, so path probabilities spread over (0, 1)), the tiny saved
+# target, and drafts of it saved as `same` (its layers) and `mtp` (with two MTP heads).
+target = test_draft_tree.target
+loaded_target = test_draft_tree.loaded_target
+saved_drafts = test_draft_tree.saved_drafts
 
 GREEDY = SamplingConfig()
 NEW_TOKENS = 40
 LEVELS = (0.0, 0.3, 0.6, 0.9)  # min-p values; 0 drafts all k
-
-
-@pytest.fixture(scope="module")
-def target() -> PreTrainedModel:
-    """test_draft_tree's peaked tiny Llama: its random draft is sure of some tokens and
-    unsure of others, so path probabilities spread over (0, 1)."""
-    model = tiny_model("llama", seed=0)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(32)
-    return model
 
 
 def reference_chain(
@@ -150,22 +148,6 @@ def test_sampled_decoding_with_min_p_emits_the_target_joint(tree: bool) -> None:
 
 
 # --- specs ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def loaded_target(tiny_target: Path) -> LoadedModel:
-    return load_model(str(tiny_target))
-
-
-@pytest.fixture(scope="module")
-def saved_drafts(loaded_target: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`same` (the target's layers) and `mtp` (random layers with two MTP heads)."""
-    root = tmp_path_factory.mktemp("drafts")
-    save_draft(make_draft(loaded_target.model, copy=True), root / "same")
-    torch.manual_seed(2)
-    config = draft_config_for(loaded_target.model, num_layers=2, draft_vocab=None, mtp_heads=2)
-    save_draft(DraftLM(config, target=loaded_target.model).eval(), root / "mtp")
-    return root
 
 
 @pytest.mark.parametrize(
