@@ -28,6 +28,7 @@ from specmtp.drafters import (
     has_arms,
 )
 from specmtp.errors import SpecMTPError
+from specmtp.kernels import packed_bytes
 from specmtp.sampling import logits_to_probs
 from specmtp.schedule import RoundRecord, Schedule
 from specmtp.stats import GenerationStats
@@ -199,7 +200,7 @@ class SpecDecoder:
         if self.drafter is not None:
             tensors += self.drafter.weight_tensors()
             per_token += self.drafter.kv_bytes_per_token()
-        weights = tensor_bytes(tensors)
+        weights = tensor_bytes(tensors) + packed_bytes(self.target.model)  # packed: kernels.py
         positions = (budget - weights) // per_token
         # The cache peaks at the prompt plus every new token but the last (never fed back).
         needed = prompt_tokens + config.max_new_tokens - 1

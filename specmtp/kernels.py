@@ -13,6 +13,15 @@ every linear layer (`all`), or every layer with an odd row count padded by a cop
 last row (`even`). The last is for one row above all: on some of these CPUs the one-column
 product takes a slow matrix-vector path, and two rows cost less than one (T(1) of the
 default model 73.5 ms plain, 45.2 ms even; float32, 1 thread, scripts/one_row_kernels.py).
+
+Or every layer takes oneDNN's product on a copy of its weights packed once for it
+(`packed`, where torch has oneDNN). F.linear's BLAS rearranges the weights it reads on
+every call with a few rows; a packed copy is read as it is, so 8 rows cost about what 2
+do. On an Intel Xeon with AMX (float32, 1 thread, every product of the default model's 30
+layers and its LM head for 1-8 rows, ms; scripts/packed_products.py): F.linear 40 44 47
+66 78 88 99, packed 45 49 49 50 52 56 59. The copy costs memory (the model's linear
+weights once more, `packed_bytes`), so it is kept only while the plan uses it for some
+row count.
 `measure_kernel_plan` picks per row count, one row included (plain decoding's step), by
 timing whole target forwards, the quantity that matters. Both kernels compute the same
 product; only the order of float additions differs, as it already does between row counts.
@@ -49,7 +58,21 @@ from specmtp.costmodel import measure_verify_costs
 from specmtp.errors import SpecMTPError
 
 MAX_ROWS = 8  # more rows than this: F.linear everywhere
-STRATEGIES = ("plain", "head", "all", "even")
+
+
+def packing_available() -> bool:
+    """Whether this torch has oneDNN's packed linear product (the `packed` strategy)."""
+    try:
+        return torch.backends.mkldnn.is_available() and bool(
+            torch.ops.mkldnn._linear_pointwise and torch.ops.mkldnn._reorder_linear_weight
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+PACKED = "packed"
+STRATEGIES = ("plain", "head", "all", "even", *((PACKED,) if packing_available() else ()))
+PACKED_ROWS = 8  # the row count oneDNN packs the weights for: verify passes of 1-MAX_ROWS
 LAYOUTS = ("out-major", "in-major")  # how the non-head weights are stored (set_weight_layout)
 
 # Process-wide, like torch.set_num_threads: whether load_model swaps in TunedLinear.
@@ -110,6 +133,16 @@ def transposed_linear(
 PAD_ROWS = 8
 
 
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T + b by oneDNN, on W packed by `pack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of `weight` [out, in] (either layout) in oneDNN's layout for PACKED_ROWS rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
+
+
 def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T + b on blocks of exactly PAD_ROWS rows (the last zero-padded): a BLAS that
     picks its algorithm by row count then gives a row the same bits at every row count."""
@@ -133,6 +166,11 @@ class TunedLinear(nn.Linear):
     # "padded", probed for its shape (invariant_linear).
     invariant_product: str = "flat"
 
+    # The weights packed for the `packed` strategy, and the (address, version) of the
+    # weights they were packed from: a weight moved or changed in place is packed again.
+    packed: torch.Tensor | None = None
+    packed_from: tuple[int, int] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() else 0
         training = torch.is_grad_enabled() and self.weight.requires_grad
@@ -142,7 +180,19 @@ class TunedLinear(nn.Linear):
                 return invariant_linear(x, self.weight, self.bias, self.invariant_product)
             if strategy in ("all", "even") or (strategy == "head" and self.is_head):
                 return transposed_linear(x, self.weight, self.bias, even=strategy == "even")
+            if strategy == PACKED and not torch.is_grad_enabled():  # an inference-only kernel
+                return packed_linear(x, self.packed_weight(), self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def packed_weight(self) -> torch.Tensor:
+        """The weights packed for oneDNN, packed now if they never were or have changed."""
+        source = (self.weight.data_ptr(), self.weight._version)
+        if self.packed is None or self.packed_from != source:
+            self.packed, self.packed_from = pack_weight(self.weight), source
+        return self.packed
+
+    def release_packed(self) -> None:
+        self.packed, self.packed_from = None, None
 
 
 def invariant_linear(
@@ -181,6 +231,8 @@ def apply_kernel_plan(
         plan.by_rows = {int(rows): strategy for rows, strategy in by_rows.items()}
     if plan is not None and layout is not None:
         set_weight_layout(model, layout)
+    if plan is not None:
+        settle_packed(model)
 
 
 def set_weight_layout(model: nn.Module, layout: str) -> None:
@@ -201,6 +253,43 @@ def set_weight_layout(model: nn.Module, layout: str) -> None:
             elif layout == "out-major" and not weight.is_contiguous():
                 module.weight.data = weight.contiguous()
     plan.layout = layout
+
+
+def uses_packed(plan: KernelPlan) -> bool:
+    return not plan.disabled and plan.row_invariant is None and PACKED in plan.by_rows.values()
+
+
+def pack_weights(model: nn.Module) -> None:
+    """Pack every swapped layer's weights for the `packed` strategy (if not already)."""
+    for module in model.modules():
+        if isinstance(module, TunedLinear):
+            module.packed_weight()
+
+
+def release_packed(model: nn.Module) -> None:
+    """Drop the packed copies of `model`'s weights."""
+    for module in model.modules():
+        if isinstance(module, TunedLinear):
+            module.release_packed()
+
+
+def settle_packed(model: nn.Module) -> None:
+    """Packed copies of the weights exactly while `model`'s plan uses them: packed now
+    rather than in the first verify pass that needs them, dropped when nothing does."""
+    plan = kernel_plan(model)
+    if plan is not None and uses_packed(plan):
+        pack_weights(model)
+    else:
+        release_packed(model)
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes held by the packed copies of `model`'s weights."""
+    return sum(
+        m.packed.numel() * m.packed.element_size()
+        for m in model.modules()
+        if isinstance(m, TunedLinear) and m.packed is not None
+    )
 
 
 def kernel_plan(model: nn.Module) -> KernelPlan | None:
@@ -238,12 +327,15 @@ def measure_kernel_plan(
                 set_weight_layout(runner.model, layout)
                 for strategy in STRATEGIES:
                     plan.by_rows = dict.fromkeys(range(1, rows + 1), strategy)
+                    if strategy == PACKED:
+                        pack_weights(runner.model)  # not inside the timed forwards
                     sweeps.setdefault((layout, strategy), []).append(
                         measure_verify_costs(runner, prompt_ids, max_tokens=rows, repeats=1)
                     )
     except BaseException:
         plan.by_rows = saved[0]  # an interrupted measurement leaves the plan as it was
         set_weight_layout(runner.model, saved[1])
+        settle_packed(runner.model)
         raise
     medians = {k: [statistics.median(t) for t in zip(*v, strict=True)] for k, v in sweeps.items()}
     best: dict[str, dict[int, str]] = {
@@ -259,6 +351,7 @@ def measure_kernel_plan(
     layout = min(layouts, key=log_total)
     set_weight_layout(runner.model, layout)
     plan.by_rows = best[layout]
+    settle_packed(runner.model)
     return plan
 
 

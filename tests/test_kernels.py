@@ -72,6 +72,25 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
 
 
 @pytest.fixture
+def packed_spy(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """The packed weights packed_linear is called with, in order; it still computes."""
+    calls: list[torch.Tensor] = []
+    packed_linear = kernels.packed_linear
+
+    def recording(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(packed)
+        return packed_linear(x, packed, bias)
+
+    monkeypatch.setattr(kernels, "packed_linear", recording)
+    return calls
+
+
+needs_packing = pytest.mark.skipif(
+    not kernels.packing_available(), reason="this torch has no oneDNN packed product"
+)
+
+
+@pytest.fixture
 def restore_tuned_linear() -> Iterator[None]:
     """set_tuned_linear changes the process; keep it from leaking into other tests."""
     enabled = tuned_linear_enabled()
@@ -163,20 +182,27 @@ def test_use_tuned_linear_twice_returns_the_plan_the_modules_follow() -> None:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_transposed_kernel_runs_for_exactly_the_planned_modules(
-    strategy: str, spy: list[torch.Tensor]
+    strategy: str, spy: list[torch.Tensor], packed_spy: list[torch.Tensor]
 ) -> None:
     model = swapped("llama", strategy)
     head = model.get_output_embeddings().weight
     every = [m.weight for m in tuned_modules(model)]
     for rows in ROW_COUNTS:
         spy.clear()
+        packed_spy.clear()
         with torch.no_grad():
             model(input_ids=torch.tensor([PROMPT[:rows] + [7] * (rows - len(PROMPT))]))
         planned = 2 <= rows <= MAX_ROWS
-        expected = {"plain": [], "head": [head], "all": every, "even": every}[strategy]
-        expected = expected if planned else []
+        packed = [m.packed for m in tuned_modules(model)]  # the packed strategy's weights
+        expected = {"plain": [], "head": [head], "all": every, "even": every, "packed": []}
+        expected = expected[strategy] if planned else []
         assert len(spy) == len(expected), (strategy, rows)
         assert {id(w) for w in spy} == {id(w) for w in expected}, (strategy, rows)
+        expected_packed = packed if planned and strategy == "packed" else []
+        assert len(packed_spy) == len(expected_packed), (strategy, rows)
+        assert {id(w) for w in packed_spy} == {id(w) for w in expected_packed}, (strategy, rows)
+    if strategy != "packed":
+        assert all(m.packed is None for m in tuned_modules(model))  # nothing packed
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
@@ -272,9 +298,11 @@ def test_tuned_logits_equal_plain_for_chains_of_1_to_8(
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         for runner in (plain, tuned):
             runner.crop(past)
-    # The comparison is not vacuous: the transposed kernel ran as planned.
-    per_chain = {"plain": 0, "head": 1, "all": LINEARS[arch], "even": LINEARS[arch]}[strategy]
-    assert len(spy) == per_chain * (MAX_ROWS - 1)
+    # The comparison is not vacuous: the transposed (or packed) kernel ran as planned.
+    per_chain = {"plain": 0, "head": 1, "all": LINEARS[arch], "even": LINEARS[arch]}
+    assert len(spy) == per_chain.get(strategy, 0) * (MAX_ROWS - 1)
+    if strategy == "packed":
+        assert all(m.packed is not None for m in tuned_modules(tuned.model))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -343,6 +371,11 @@ FAKE_TIMES = {
         [0.9, 9, 9, 9, 9, 9, 9, 9],
         [0.9, 9, 9, 9, 9, 9, 9, 9],
     ],
+    "packed": [  # fastest once at 4 rows, slower by the median
+        [9, 9, 9, 0.1, 9, 9, 9, 9],
+        [9, 9, 9, 9, 9, 9, 9, 9],
+        [9, 9, 9, 9, 9, 9, 9, 9],
+    ],
 }
 
 
@@ -382,7 +415,11 @@ def test_measure_kernel_plan_keeps_the_median_fastest_per_row_count(
     assert plan.layout == "in-major"  # the smaller sum of the fastest T(n)
     assert not model.model.layers[0].mlp.up_proj.weight.is_contiguous()
     # Layouts and strategies take turns sweep by sweep, each timing the whole plan once.
-    assert layouts == ["out-major"] * 4 + ["in-major"] * 4 + layouts[:8] * 2
+    per_layout = len(STRATEGIES)
+    assert (
+        layouts
+        == ["out-major"] * per_layout + ["in-major"] * per_layout + layouts[: 2 * per_layout] * 2
+    )
     assert [by_rows[2] for by_rows, _, _ in calls] == list(STRATEGIES) * 2 * 3
     for by_rows, max_tokens, repeats in calls:
         assert sorted(by_rows) == list(range(1, MAX_ROWS + 1))
@@ -501,3 +538,136 @@ def test_bad_layouts_are_refused() -> None:
         set_weight_layout(swapped("llama"), "diagonal")
     with pytest.raises(ValueError, match="whose linear layers were swapped"):
         set_weight_layout(tiny_model("llama", seed=0), "in-major")
+
+
+# --- the packed strategy ---------------------------------------------------------------
+
+
+@needs_packing
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("lead", [(), (2,)], ids=["2d", "3d"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_linear_equals_f_linear(with_bias: bool, lead: tuple[int, ...], layout: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 48, generator=generator) / 48**0.5  # [out, in]
+    if layout == "in-major":
+        weight = weight.t().contiguous().t()
+    bias = torch.randn(24, generator=generator) if with_bias else None
+    packed = kernels.pack_weight(weight)
+    for rows in range(1, 11):
+        x = torch.randn(*lead, rows, 48, generator=generator)  # [..., rows, in]
+        got = kernels.packed_linear(x, packed, bias)
+        want = F.linear(x, weight, bias)
+        assert got.shape == want.shape == (*lead, rows, 24)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # A non-contiguous input (a slice of a wider tensor) too.
+    wide = torch.randn(3, 96, generator=generator)[:, ::2]
+    torch.testing.assert_close(
+        kernels.packed_linear(wide, packed, bias),
+        F.linear(wide, weight, bias),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+@needs_packing
+def test_packed_weights_follow_their_weights(packed_spy: list[torch.Tensor]) -> None:
+    """A weight changed in place or moved to another layout is packed again, so the packed
+    product never runs on stale values; weights that need gradients take F.linear."""
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(16, 8))
+    use_tuned_linear(layer).by_rows = {3: "packed"}
+    linear = layer[0]
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        first = layer(x)
+        packed = linear.packed
+        assert packed is not None and len(packed_spy) == 1
+        assert layer(x) is not None and linear.packed is packed  # unchanged: not packed again
+        linear.weight.mul_(2)
+        torch.testing.assert_close(layer(x), F.linear(x, linear.weight, linear.bias))
+        assert linear.packed is not packed
+        packed = linear.packed
+        set_weight_layout(layer, "in-major")
+        torch.testing.assert_close(layer(x), F.linear(x, linear.weight, linear.bias))
+        assert linear.packed is not packed
+    assert not torch.allclose(first, layer(x))
+    packed_spy.clear()
+    out = layer(x)  # gradients wanted (the weights require them): F.linear
+    assert packed_spy == [] and out.requires_grad
+
+
+@needs_packing
+def test_packed_copies_are_kept_only_while_the_plan_uses_them() -> None:
+    model = swapped("llama")
+    assert kernels.packed_bytes(model) == 0
+    weights = sum(m.weight.numel() * 4 for m in tuned_modules(model))
+    kernels.apply_kernel_plan(model, {"4": "packed", "5": "head"})  # keys as JSON has them
+    assert kernels.packed_bytes(model) >= weights  # packed now, not in the first verify pass
+    kernels.apply_kernel_plan(model, {"4": "head"})
+    assert kernels.packed_bytes(model) == 0
+    assert all(m.packed is None for m in tuned_modules(model))
+
+
+@needs_packing
+def test_measure_kernel_plan_keeps_packed_weights_only_when_chosen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The packed strategy is timed on packed weights (packed before its timed forwards),
+    and the copies stay only if it wins some row count."""
+    packed_wins = True
+    sizes: list[int] = []  # packed bytes while each strategy was timed
+
+    def fake_costs(
+        runner: CachedModel, prompt_ids: list[int], *, max_tokens: int, repeats: int
+    ) -> tuple[float, ...]:
+        plan = kernel_plan(runner.model)
+        strategy = plan.by_rows[1]
+        if strategy == "packed":
+            sizes.append(kernels.packed_bytes(runner.model))
+        fast = strategy == ("packed" if packed_wins else "head")
+        return tuple(1.0 if fast and n >= 3 else 2.0 for n in range(1, max_tokens + 1))
+
+    monkeypatch.setattr(kernels, "measure_verify_costs", fake_costs)
+    model = swapped("llama")
+    runner = CachedModel(model, vocab_size=TINY_VOCAB)
+    plan = measure_kernel_plan(runner, PROMPT, repeats=1)
+    assert [plan.by_rows[n] for n in range(3, MAX_ROWS + 1)] == ["packed"] * (MAX_ROWS - 2)
+    assert sizes and all(size > 0 for size in sizes)
+    assert kernels.packed_bytes(model) > 0
+    packed_wins = False
+    plan = measure_kernel_plan(runner, PROMPT, repeats=1)
+    assert "packed" not in plan.by_rows.values()
+    assert kernels.packed_bytes(model) == 0
+
+
+@needs_packing
+def test_spec_decoding_with_packed_products_equals_hf_greedy(
+    packed_spy: list[torch.Tensor],
+) -> None:
+    target = swapped("llama", "packed")
+    draft = perturbed_copy(target, scale=0.3, seed=1)
+    decoder = SpecDecoder(
+        target,
+        drafter=DraftModelDrafter(draft, vocab_size=TINY_VOCAB),
+        vocab_size=TINY_VOCAB,
+        context_length=256,
+    )
+    result = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=40, gamma=4))
+    assert packed_spy  # verify passes of 5 rows went through the packed product
+    assert 0 < result.stats.accepted_tokens < result.stats.drafted_tokens  # partly accepting
+    assert result.tokens == hf_greedy(target, PROMPT, 40)
+
+
+@needs_packing
+def test_a_memory_budget_counts_the_packed_copies() -> None:
+    """The packed copies hold the weights a second time: a budget that fits the model with
+    its weights once, but not twice, is refused once they are packed."""
+    target = swapped("llama", "packed")
+    decoder = SpecDecoder(target, vocab_size=TINY_VOCAB, context_length=256)
+    weights = sum(t.numel() * t.element_size() for t in target.state_dict().values())
+    config = GenerationConfig(max_new_tokens=8, max_memory_bytes=int(1.5 * weights))
+    assert len(decoder.generate(PROMPT, config).tokens) == 8
+    kernels.pack_weights(target)
+    with pytest.raises(SpecMTPError, match=r"max-memory .* is too small"):
+        decoder.generate(PROMPT, config)
