@@ -29,9 +29,14 @@ holds:
   verify passes agree.
 - Matrix products. A BLAS may pick its algorithm (and so its order of additions) by the
   number of rows, or by the input's rank. `use_row_invariant` probes every weight shape of
-  the model with 2-D inputs: if F.linear gives each row the same bits whatever the row
-  count, it is kept, with inputs flattened to 2-D as probed ("flat"; some BLAS builds take
-  another kernel for a 3-D input of one row than of several). A shape that fails runs on
+  the model with 2-D inputs, cheapest product first. oneDNN's product on weights packed
+  once for it ("packed", kernels.py), where torch has oneDNN: F.linear in bfloat16 goes
+  to oneDNN too, but rearranges the weights it reads on every call; on an Intel Xeon with
+  AMX, packed, every product of a default-model step took 26-28 ms for 1-8 rows against
+  38 ms (1 thread), at the cost of a second copy of the weights. Then F.linear: if it
+  gives each row the same bits whatever the row count, it is kept, with inputs flattened
+  to 2-D as probed ("flat"; some BLAS builds take another kernel for a 3-D input of one
+  row than of several). A shape that fails runs on
   blocks of exactly PAD_ROWS (8) rows (zero-padded, "padded"), so a row's bits never
   depend on the others. Shapes are probed one by one because padding costs: a padded
   product costs what 8 rows do, about 1.8 one-row products in bfloat16 on an AMD EPYC,
@@ -51,7 +56,7 @@ a prompt through the same single forward, so they still agree.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -61,7 +66,16 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from specmtp import native
 from specmtp.errors import SpecMTPError
-from specmtp.kernels import KernelPlan, invariant_linear, kernel_plan, use_tuned_linear
+from specmtp.kernels import (
+    PACKED,
+    KernelPlan,
+    invariant_linear,
+    kernel_plan,
+    pack_weight,
+    packing_available,
+    settle_packed,
+    use_tuned_linear,
+)
 
 ATTENTION = "specmtp_row_invariant"
 MAX_LOOP_ROWS = 32  # query rows computed one by one; longer inputs (prompts) use the fused kernel
@@ -294,21 +308,31 @@ def rows_invariant(weight: torch.Tensor, *, product: str = "flat", seed: int = 0
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.dtype)
     with torch.inference_mode():
-        full = invariant_linear(x, weight, None, product)  # [R, out]
+        packed = pack_weight(weight) if product == PACKED else None
+
+        def linear(rows: torch.Tensor) -> torch.Tensor:
+            return invariant_linear(rows, weight, None, product, packed=packed)
+
+        full = linear(x)  # [R, out]
         for m in range(1, PROBE_ROWS):
-            if not torch.equal(invariant_linear(x[:m], weight, None, product), full[:m]):
+            if not torch.equal(linear(x[:m]), full[:m]):
                 return False
-            if not torch.equal(
-                invariant_linear(x[m : m + 1], weight, None, product), full[m : m + 1]
-            ):
+            if not torch.equal(linear(x[m : m + 1]), full[m : m + 1]):
                 return False
     return True
 
 
-def invariant_product(weight: torch.Tensor) -> str | None:
-    """The cheaper row-invariant product for `weight` that passes its probe: F.linear
-    ("flat"), else padded blocks of PAD_ROWS rows ("padded"); None if neither passes."""
-    return next((p for p in ("flat", "padded") if rows_invariant(weight, product=p)), None)
+def product_kinds() -> tuple[str, ...]:
+    """The row-invariant products, cheapest first: oneDNN's on weights packed once
+    ("packed", where torch has it), F.linear ("flat"), padded blocks of PAD_ROWS rows."""
+    return (PACKED, "flat", "padded") if packing_available() else ("flat", "padded")
+
+
+def invariant_product(weight: torch.Tensor, kinds: Sequence[str] | None = None) -> str | None:
+    """The first of `kinds` (product_kinds) whose product for `weight` passes its probe;
+    None if none passes."""
+    kinds = product_kinds() if kinds is None else kinds
+    return next((p for p in kinds if rows_invariant(weight, product=p)), None)
 
 
 def use_row_invariant(model: nn.Module) -> str:
@@ -349,6 +373,7 @@ def _agreeing_products(model: nn.Module, plan: KernelPlan) -> str | None:
         for layer in layers:
             layer.invariant_product = products[layer.weight.shape, layer.weight.dtype]
         plan.row_invariant = describe_products(products)
+        settle_packed(model)  # packed copies for exactly the layers whose product packs
         if forwards_agree(model):
             return plan.row_invariant
     return None
@@ -358,12 +383,16 @@ Shape = tuple[torch.Size, torch.dtype]  # a weight's shape and dtype: one probe 
 
 
 def _product_choices(weights: dict[Shape, torch.Tensor]) -> Iterator[dict[Shape, str]]:
-    """Products per weight shape to try, in order: each shape's own, then padded blocks
-    everywhere (when that differs and passes)."""
-    chosen = {key: invariant_product(weight) for key, weight in weights.items()}
-    if None not in chosen.values():
-        yield chosen  # type: ignore[misc]  # no None in it
-    if set(chosen.values()) != {"padded"} and all(
+    """Products per weight shape to try, in order: each shape's own, the same without
+    packed weights, then padded blocks everywhere (each when it differs and passes)."""
+    tried: list[dict[Shape, str | None]] = []
+    kinds = product_kinds()
+    for allowed in (kinds, [kind for kind in kinds if kind != PACKED]):
+        chosen = {key: invariant_product(weight, allowed) for key, weight in weights.items()}
+        if None not in chosen.values() and chosen not in tried:
+            yield chosen  # type: ignore[misc]  # no None in it
+        tried.append(chosen)
+    if all(set(c.values()) != {"padded"} for c in tried) and all(
         rows_invariant(w, product="padded") for w in weights.values()
     ):
         yield dict.fromkeys(weights, "padded")

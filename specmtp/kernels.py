@@ -162,8 +162,8 @@ class TunedLinear(nn.Linear):
 
     kernel_plan: KernelPlan
     is_head: bool
-    # Set by invariant.use_row_invariant: this weight's row-invariant product, "flat" or
-    # "padded", probed for its shape (invariant_linear).
+    # Set by invariant.use_row_invariant: this weight's row-invariant product, "packed",
+    # "flat" or "padded", probed for its shape (invariant_linear).
     invariant_product: str = "flat"
 
     # The weights packed for the `packed` strategy, and the (address, version) of the
@@ -177,7 +177,11 @@ class TunedLinear(nn.Linear):
         if not training and x.device.type == "cpu":
             strategy = self.kernel_plan.strategy(rows)
             if strategy == INVARIANT:
-                return invariant_linear(x, self.weight, self.bias, self.invariant_product)
+                packed = self.invariant_product == PACKED and not torch.is_grad_enabled()
+                return invariant_linear(
+                    x, self.weight, self.bias, self.invariant_product,
+                    packed=self.packed_weight() if packed else None,
+                )  # fmt: skip
             if strategy in ("all", "even") or (strategy == "head" and self.is_head):
                 return transposed_linear(x, self.weight, self.bias, even=strategy == "even")
             if strategy == PACKED and not torch.is_grad_enabled():  # an inference-only kernel
@@ -196,14 +200,22 @@ class TunedLinear(nn.Linear):
 
 
 def invariant_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, product: str
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    product: str,
+    *,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ W^T + b by one of the row-invariant products (TunedLinear.invariant_product):
-    F.linear on 2-D rows ("flat"; some BLAS builds take another kernel for a 3-D input of
-    one row than of several) or padded blocks of PAD_ROWS rows ("padded")."""
+    oneDNN's product on the weights packed once ("packed", given as `packed`; without
+    them, as when gradients are wanted, F.linear as "flat"), F.linear on 2-D rows ("flat";
+    some BLAS builds take another kernel for a 3-D input of one row than of several) or
+    padded blocks of PAD_ROWS rows ("padded")."""
     if product == "padded":
         return padded_linear(x, weight, bias)
-    out = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    out = F.linear(rows, weight, bias) if packed is None else packed_linear(rows, packed, bias)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -255,8 +267,12 @@ def set_weight_layout(model: nn.Module, layout: str) -> None:
     plan.layout = layout
 
 
-def uses_packed(plan: KernelPlan) -> bool:
-    return not plan.disabled and plan.row_invariant is None and PACKED in plan.by_rows.values()
+def uses_packed(plan: KernelPlan, module: TunedLinear | None = None) -> bool:
+    """Whether `plan` runs the packed product for some row count (of `module`, for a
+    row-invariant plan: each weight shape has its product)."""
+    if plan.row_invariant is not None:
+        return module is not None and module.invariant_product == PACKED
+    return not plan.disabled and PACKED in plan.by_rows.values()
 
 
 def pack_weights(model: nn.Module) -> None:
@@ -276,11 +292,12 @@ def release_packed(model: nn.Module) -> None:
 def settle_packed(model: nn.Module) -> None:
     """Packed copies of the weights exactly while `model`'s plan uses them: packed now
     rather than in the first verify pass that needs them, dropped when nothing does."""
-    plan = kernel_plan(model)
-    if plan is not None and uses_packed(plan):
-        pack_weights(model)
-    else:
-        release_packed(model)
+    for module in model.modules():
+        if isinstance(module, TunedLinear):
+            if uses_packed(module.kernel_plan, module):
+                module.packed_weight()
+            else:
+                module.release_packed()
 
 
 def packed_bytes(model: nn.Module) -> int:

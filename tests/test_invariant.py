@@ -68,7 +68,7 @@ def test_the_loaded_bf16_model_is_row_invariant_and_float32_is_left_alone(
     products = {
         m.invariant_product for m in bf16_runner.model.modules() if isinstance(m, TunedLinear)
     }
-    assert products and products <= {"flat", "padded"}
+    assert products and products <= {"packed", "flat", "padded"}
     assert kernel_plan(bf16_runner.model).row_invariant.split(",")[0] in products
     plain = load_model(str(tiny_target)).model
     assert plain.config._attn_implementation != ATTENTION
@@ -211,25 +211,27 @@ def test_only_the_weight_shapes_that_fail_their_probe_are_padded(
     Xeon with AMX) pad as well."""
     natural = load_model(str(tiny_target)).model.bfloat16()
     use_row_invariant(natural)
-    padded_here = {
-        m.weight.shape
-        for m in natural.modules()
-        if isinstance(m, TunedLinear) and m.invariant_product == "padded"
+    here = {  # each shape's product on this machine
+        m.weight.shape: m.invariant_product for m in natural.modules() if isinstance(m, TunedLinear)
     }
     model = load_model(str(tiny_target)).model.bfloat16()
     down = model.get_decoder().layers[0].mlp.down_proj.weight.shape
+    assert here[down] != "padded"  # else the test shows nothing
     probe = invariant.rows_invariant
     monkeypatch.setattr(
         invariant,
         "rows_invariant",
-        lambda w, *, product: probe(w, product=product) and (w.shape != down or product != "flat"),
+        lambda w, *, product: (
+            probe(w, product=product) and (w.shape != down or product == "padded")
+        ),
     )
     kinds = use_row_invariant(model)
-    assert kinds.startswith("flat, ") and f"padded for {down[0]}x{down[1]}" in kinds
+    assert f"padded for {down[0]}x{down[1]}" in kinds
     for module in model.modules():
         if isinstance(module, TunedLinear):
-            padded = module.weight.shape == down or module.weight.shape in padded_here
-            assert module.invariant_product == ("padded" if padded else "flat")
+            want = "padded" if module.weight.shape == down else here[module.weight.shape]
+            assert module.invariant_product == want
+            assert (module.packed is not None) == (want == "packed")  # copies only where used
     assert forwards_agree(model, rows=6)
 
 
