@@ -3,6 +3,7 @@ user draft models (with `#vocab=N` and `#heads=DIR`), and lookup-first pairs."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from specmtp.errors import SpecMTPError
 from specmtp.heads import SequentialMTP
 from specmtp.heads_io import load_heads, shipped_heads_dir
 from specmtp.int8 import INT8, split_int8, use_int8_products
-from specmtp.kernels import tuned_linear_enabled, use_tuned_linear
+from specmtp.kernels import tuned_linear_enabled, use_tuned_linear, without_packing
 from specmtp.merged_drafter import MergedDrafter
 from specmtp.models import LoadedModel, load_model
 from specmtp.mtp_drafter import MTPDrafter
@@ -96,7 +97,10 @@ def build_drafter(
     if spec == "store" or spec.startswith(("store:", "store+", "store#")):
         return build_store_drafter(spec, target, dtype=dtype)
     spec, int8 = split_int8(spec)
-    drafter, vocab = build_model_based_drafter(spec, target, dtype=dtype)
+    # An int8 drafter's products all become int8: packing its weights first would only
+    # hold them twice for a while (peak memory).
+    with without_packing() if int8 else nullcontext():
+        drafter, vocab = build_model_based_drafter(spec, target, dtype=dtype)
     return (use_int8_drafter(drafter, spec) if int8 else drafter), vocab
 
 

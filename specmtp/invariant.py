@@ -31,7 +31,7 @@ holds:
   number of rows, or by the input's rank. `use_row_invariant` probes every weight shape of
   the model with 2-D inputs, cheapest product first. oneDNN's product on weights packed
   once for it ("packed", kernels.py), where torch has oneDNN: F.linear in bfloat16 goes
-  to oneDNN too, but rearranges the weights it reads on every call; on an Intel Xeon with
+  to oneDNN too, but seemingly rearranges the weights on every call; on an Intel Xeon with
   AMX, packed, every product of a default-model step took 26-28 ms for 1-8 rows against
   38 ms (1 thread), at the cost of a second copy of the weights. Then F.linear: if it
   gives each row the same bits whatever the row count, it is kept, with inputs flattened
@@ -72,6 +72,7 @@ from specmtp.kernels import (
     invariant_linear,
     kernel_plan,
     pack_weight,
+    packing_allowed,
     packing_available,
     settle_packed,
     use_tuned_linear,
@@ -325,7 +326,8 @@ def rows_invariant(weight: torch.Tensor, *, product: str = "flat", seed: int = 0
 def product_kinds() -> tuple[str, ...]:
     """The row-invariant products, cheapest first: oneDNN's on weights packed once
     ("packed", where torch has it), F.linear ("flat"), padded blocks of PAD_ROWS rows."""
-    return (PACKED, "flat", "padded") if packing_available() else ("flat", "padded")
+    packed = packing_available() and packing_allowed()
+    return (PACKED, "flat", "padded") if packed else ("flat", "padded")
 
 
 def invariant_product(weight: torch.Tensor, kinds: Sequence[str] | None = None) -> str | None:

@@ -15,9 +15,9 @@ product takes a slow matrix-vector path, and two rows cost less than one (T(1) o
 default model 73.5 ms plain, 45.2 ms even; float32, 1 thread, scripts/one_row_kernels.py).
 
 Or every layer takes oneDNN's product on a copy of its weights packed once for it
-(`packed`, where torch has oneDNN). F.linear's BLAS rearranges the weights it reads on
-every call with a few rows; a packed copy is read as it is, so 8 rows cost about what 2
-do. On an Intel Xeon with AMX (float32, 1 thread, every product of the default model's 30
+(`packed`, where torch has oneDNN). F.linear's BLAS seems to rearrange the weights it reads
+on every call with a few rows; a packed copy is read as it is, and 8 rows cost about what
+2 do. On an Intel Xeon with AMX (float32, 1 thread, every product of the default model's 30
 layers and its LM head for 1-8 rows, ms; scripts/packed_products.py): F.linear 40 44 47
 66 78 88 99, packed 45 49 49 50 52 56 59. The copy costs memory (the model's linear
 weights once more, `packed_bytes`), so it is kept only while the plan uses it for some
@@ -68,6 +68,25 @@ def packing_available() -> bool:
         )
     except (AttributeError, RuntimeError):
         return False
+
+
+_PACKING = True  # process-wide, like _ENABLED: whether models loaded now may pack weights
+
+
+@contextmanager
+def without_packing() -> Iterator[None]:
+    """Models loaded meanwhile pack no weights for their row-invariant products (invariant.py):
+    a drafter whose products all become int8 would pack its weights only to drop them."""
+    global _PACKING
+    before, _PACKING = _PACKING, False
+    try:
+        yield
+    finally:
+        _PACKING = before
+
+
+def packing_allowed() -> bool:
+    return _PACKING
 
 
 PACKED = "packed"

@@ -13,6 +13,7 @@ from test_mtp_drafter import PROMPT, trained_heads
 from torch import nn
 from transformers import PreTrainedModel
 
+from specmtp import invariant, kernels
 from specmtp.api import SpecGenerator, build_drafter
 from specmtp.config import GenerationConfig
 from specmtp.decode import SpecDecoder
@@ -120,3 +121,28 @@ def test_an_int8_self_draft_keeps_greedy_output(tiny_target: Path) -> None:
     done = drafted.generate(prompt, max_new_tokens=30, gamma=4)
     assert done.tokens == expected
     assert done.stats.accepted_tokens > 0
+
+
+@pytest.mark.skipif(not kernels.packing_available(), reason="no oneDNN packed product")
+def test_an_int8_draft_in_bfloat16_packs_no_weights(
+    tiny_target: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bfloat16 draft's row-invariant products may pack its weights (kernels.py); an int8
+    draft's products all become int8, so its load packs nothing (packing first would hold
+    its weights twice for a while), while the same draft in float products does pack."""
+    target = load_model(str(tiny_target), dtype=torch.bfloat16)
+    packed: list[torch.Size] = []
+    pack = kernels.pack_weight
+
+    def counting(weight: torch.Tensor) -> torch.Tensor:
+        packed.append(weight.shape)
+        return pack(weight)
+
+    monkeypatch.setattr(kernels, "pack_weight", counting)
+    monkeypatch.setattr(invariant, "pack_weight", counting)
+    build_drafter(f"{tiny_target}#int8", target, dtype=torch.bfloat16)
+    assert packed == []
+    assert kernels.packing_allowed()  # only while the int8 draft loaded
+    drafter, _ = build_drafter(str(tiny_target), target, dtype=torch.bfloat16)
+    assert drafter.runner.model.dtype == torch.bfloat16
+    assert packed  # its probes, at least

@@ -287,3 +287,35 @@ def test_invariant_products_are_the_probed_two_dimensional_ones(
     bf16_runner.forward(_prompt(4, 6))  # [1, 6]
     bf16_runner.forward(_prompt(5, 1))  # [1, 1]
     assert dims and set(dims) == {2}
+
+
+@pytest.mark.skipif(not invariant.packing_available(), reason="no oneDNN packed product")
+def test_packed_products_that_disagree_end_to_end_give_way_to_flat_ones(
+    tiny_target: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packed products that pass their probes in a model whose forwards still disagree
+    with them: the per-shape products without packing come next (not padded blocks
+    everywhere), and no packed copy is kept."""
+    model = load_model(str(tiny_target)).model.bfloat16()
+    layers = [m for m in model.modules() if isinstance(m, TunedLinear)]
+    unpacked = {invariant.invariant_product(m.weight, ("flat", "padded")) for m in layers}
+    probe = invariant.rows_invariant
+    monkeypatch.setattr(
+        invariant,
+        "rows_invariant",
+        lambda w, *, product: True if product == "packed" else probe(w, product=product),
+    )
+    agree = invariant.forwards_agree
+    checked: list[set[str]] = []
+
+    def agree_unless_packed(model: torch.nn.Module) -> bool:
+        checked.append({m.invariant_product for m in layers})
+        return "packed" not in checked[-1] and agree(model)
+
+    monkeypatch.setattr(invariant, "forwards_agree", agree_unless_packed)
+    kinds = use_row_invariant(model)
+    # Two choices checked: packed everywhere, then each shape's F.linear or padded blocks.
+    assert checked == [{"packed"}, unpacked]
+    assert {m.invariant_product for m in layers} == checked[-1]
+    assert all(m.packed is None for m in layers)
+    assert kernel_plan(model).row_invariant == kinds
