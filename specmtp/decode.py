@@ -24,6 +24,7 @@ from specmtp.drafters import (
     Proposal,
     drafter_arm,
     drafter_catch_up,
+    drafter_packed_bytes,
     empty_proposal,
     has_arms,
 )
@@ -200,7 +201,9 @@ class SpecDecoder:
         if self.drafter is not None:
             tensors += self.drafter.weight_tensors()
             per_token += self.drafter.kv_bytes_per_token()
-        weights = tensor_bytes(tensors) + packed_bytes(self.target.model)  # packed: kernels.py
+        # Packed copies of weights (kernels.py) count too.
+        packed = packed_bytes(self.target.model) + drafter_packed_bytes(self.drafter)
+        weights = tensor_bytes(tensors) + packed
         positions = (budget - weights) // per_token
         # The cache peaks at the prompt plus every new token but the last (never fed back).
         needed = prompt_tokens + config.max_new_tokens - 1

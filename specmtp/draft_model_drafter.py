@@ -13,6 +13,7 @@ from specmtp.draft_model import DraftLM
 from specmtp.drafters import Outcome, Proposal, empty_proposal
 from specmtp.errors import SpecMTPError
 from specmtp.heads import Heads, ParallelHeads, SequentialMTP
+from specmtp.kernels import packed_bytes
 from specmtp.mtp_cache import SequentialDraftCache
 from specmtp.output_vocab import restrict_output_vocab
 from specmtp.sampling import choose, greedy_tokens, logits_to_probs
@@ -179,6 +180,9 @@ class DraftModelDrafter:
     def weight_tensors(self) -> list[torch.Tensor]:
         heads = [] if self.heads is None else module_tensors(self.heads)
         return list({id(t): t for t in module_tensors(self.runner.model) + heads}.values())
+
+    def packed_bytes(self) -> int:
+        return packed_bytes(self.runner.model)
 
     def kv_bytes(self) -> int:
         return self.runner.kv_bytes() + (0 if self.history is None else self.history.nbytes())

@@ -128,6 +128,8 @@ class Drafter(Protocol):
     # hidden states the drafter reads (heads.target_features); absent or None: the final.
     # Optional, for drafters with a cache of their own: `catch_up(context) -> int`, the
     # tokens it will read before drafting that are not in its cache (see drafter_catch_up).
+    # Optional, for drafters with a model of their own: `packed_bytes() -> int`, the bytes
+    # of its weights' packed copies (kernels.py; see drafter_packed_bytes).
 
 
 class NoMemory:
@@ -227,6 +229,13 @@ def drafter_catch_up(drafter: Drafter, context: torch.Tensor) -> int:
     return 0 if catch_up is None else catch_up(context)
 
 
+def drafter_packed_bytes(drafter: Drafter | None) -> int:
+    """Bytes of the packed copies of a drafter's weights (kernels.packed_bytes); 0 for
+    drafters without a model of their own."""
+    packed = getattr(drafter, "packed_bytes", None)
+    return 0 if packed is None else packed()
+
+
 class LookupFirstDrafter:
     """Lookup first, a model drafter otherwise: each round drafts what followed the latest
     earlier occurrence of the context's last n >= 2 tokens when there is one (copied text:
@@ -292,6 +301,9 @@ class LookupFirstDrafter:
 
     def weight_tensors(self) -> list[torch.Tensor]:
         return self.fallback.weight_tensors()
+
+    def packed_bytes(self) -> int:
+        return drafter_packed_bytes(self.fallback)
 
     def kv_bytes(self) -> int:
         return self.fallback.kv_bytes()

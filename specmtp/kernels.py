@@ -18,8 +18,8 @@ Or every layer takes oneDNN's product on a copy of its weights packed once for i
 (`packed`, where torch has oneDNN). F.linear's BLAS seems to rearrange the weights it reads
 on every call with a few rows; a packed copy is read as it is, and 8 rows cost about what
 2 do. On an Intel Xeon with AMX (float32, 1 thread, every product of the default model's 30
-layers and its LM head for 1-8 rows, ms; scripts/packed_products.py): F.linear 40 44 47
-66 78 88 99, packed 45 49 49 50 52 56 59. The copy costs memory (the model's linear
+layers and its LM head for 1-8 rows, ms; scripts/packed_products.py): F.linear 45 46 52
+76 77 84 99 100, packed 47 52 55 58 59 62 61 66. The copy costs memory (the model's linear
 weights once more, `packed_bytes`), so it is kept only while the plan uses it for some
 row count.
 `measure_kernel_plan` picks per row count, one row included (plain decoding's step), by

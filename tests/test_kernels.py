@@ -19,6 +19,7 @@ from specmtp.cache import CachedModel
 from specmtp.config import GenerationConfig
 from specmtp.decode import SpecDecoder
 from specmtp.draft_model_drafter import DraftModelDrafter
+from specmtp.drafters import LookupFirstDrafter, drafter_packed_bytes
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import (
     LAYOUTS,
@@ -671,3 +672,28 @@ def test_a_memory_budget_counts_the_packed_copies() -> None:
     kernels.pack_weights(target)
     with pytest.raises(SpecMTPError, match=r"max-memory .* is too small"):
         decoder.generate(PROMPT, config)
+
+
+@needs_packing
+def test_a_memory_budget_counts_a_draft_models_packed_copies() -> None:
+    """A draft model whose products pack holds its weights twice too: its drafter reports
+    the copies (behind lookup as well), and a budget that fits both models' weights once
+    and a short request, but not the draft's copies, is refused."""
+    target = swapped("llama")
+    draft = swapped("llama", "packed", seed=1)
+    drafter = DraftModelDrafter(draft, vocab_size=TINY_VOCAB)
+    assert drafter_packed_bytes(drafter) == 0  # nothing packed yet
+    kernels.pack_weights(draft)
+    copies = kernels.packed_bytes(draft)
+    assert copies > 0 and drafter_packed_bytes(drafter) == copies
+    assert drafter_packed_bytes(LookupFirstDrafter(drafter)) == copies
+    assert drafter_packed_bytes(None) == 0
+    decoder = SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
+    weights = sum(
+        t.numel() * t.element_size() for m in (target, draft) for t in m.state_dict().values()
+    )
+    config = GenerationConfig(max_new_tokens=8, gamma=2, max_memory_bytes=weights + copies // 2)
+    with pytest.raises(SpecMTPError, match=r"max-memory .* is too small"):
+        decoder.generate(PROMPT, config)
+    kernels.release_packed(draft)
+    assert len(decoder.generate(PROMPT, config).tokens) == 8
