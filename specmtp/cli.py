@@ -37,7 +37,7 @@ from specmtp.distill import DistillTrainConfig, train_draft
 from specmtp.draft_export import export_hf_draft
 from specmtp.drafter_specs import load_small_draft
 from specmtp.errors import SpecMTPError
-from specmtp.kernels import set_tuned_linear
+from specmtp.kernels import set_packing, set_tuned_linear
 from specmtp.models import DTYPES, load_model
 from specmtp.plots import plot_tune
 from specmtp.profile import Profile, find_profile, sweep_table
@@ -296,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _set_threads(args.threads)
         set_tuned_linear(not getattr(args, "plain_kernels", False))
+        set_packing(not getattr(args, "no_packed_weights", False))
         return _COMMANDS[args.command](args)
     except SpecMTPError as e:
         print(f"specmtp: error: {_one_line(str(e))}", file=sys.stderr)

@@ -51,6 +51,12 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         "products on CPU (see specmtp.kernels)",
     )
     parser.add_argument(
+        "--no-packed-weights",
+        action="store_true",
+        help="hold no packed copies of the weights (oneDNN's product on weights packed "
+        "once, specmtp.kernels): a second copy of the linear weights saved, some speed lost",
+    )
+    parser.add_argument(
         "--dtype",
         choices=list(DTYPES),
         default="float32",

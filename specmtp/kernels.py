@@ -70,23 +70,31 @@ def packing_available() -> bool:
         return False
 
 
-_PACKING = True  # process-wide, like _ENABLED: whether models loaded now may pack weights
+# Process-wide, like _ENABLED: whether weights may be packed (`--no-packed-weights` says
+# no: the copies cost memory). Plans then neither time nor run `packed`, and models loaded
+# meanwhile take other row-invariant products.
+_PACKING = True
 
 
-@contextmanager
-def without_packing() -> Iterator[None]:
-    """Models loaded meanwhile pack no weights for their row-invariant products (invariant.py):
-    a drafter whose products all become int8 would pack its weights only to drop them."""
+def set_packing(enabled: bool) -> None:
     global _PACKING
-    before, _PACKING = _PACKING, False
-    try:
-        yield
-    finally:
-        _PACKING = before
+    _PACKING = enabled
 
 
 def packing_allowed() -> bool:
     return _PACKING
+
+
+@contextmanager
+def without_packing() -> Iterator[None]:
+    """No packing for a while: a drafter whose products all become int8 would pack its
+    weights at load only to drop them."""
+    before = packing_allowed()
+    set_packing(False)
+    try:
+        yield
+    finally:
+        set_packing(before)
 
 
 PACKED = "packed"
@@ -130,7 +138,10 @@ class KernelPlan:
             return INVARIANT
         if not 1 <= rows <= MAX_ROWS:
             return "plain"
-        return self.by_rows.get(rows, "plain" if rows == 1 else "head")
+        strategy = self.by_rows.get(rows, "plain" if rows == 1 else "head")
+        if strategy == PACKED and not packing_allowed():  # a stored plan's: the default
+            return "plain" if rows == 1 else "head"
+        return strategy
 
 
 def transposed_linear(
@@ -291,7 +302,7 @@ def uses_packed(plan: KernelPlan, module: TunedLinear | None = None) -> bool:
     row-invariant plan: each weight shape has its product)."""
     if plan.row_invariant is not None:
         return module is not None and module.invariant_product == PACKED
-    return not plan.disabled and PACKED in plan.by_rows.values()
+    return not plan.disabled and packing_allowed() and PACKED in plan.by_rows.values()
 
 
 def pack_weights(model: nn.Module) -> None:
@@ -355,13 +366,14 @@ def measure_kernel_plan(
     if plan is None or plan.row_invariant is not None:
         return plan  # a row-invariant plan's kernels are fixed (invariant.py)
     rows = min(max_rows, MAX_ROWS)
+    timed = [s for s in STRATEGIES if s != PACKED or packing_allowed()]
     sweeps: dict[tuple[str, str], list[tuple[float, ...]]] = {}
     saved = plan.by_rows, plan.layout
     try:
         for _ in range(repeats):
             for layout in layouts:
                 set_weight_layout(runner.model, layout)
-                for strategy in STRATEGIES:
+                for strategy in timed:
                     plan.by_rows = dict.fromkeys(range(1, rows + 1), strategy)
                     if strategy == PACKED:
                         pack_weights(runner.model)  # not inside the timed forwards
@@ -375,9 +387,7 @@ def measure_kernel_plan(
         raise
     medians = {k: [statistics.median(t) for t in zip(*v, strict=True)] for k, v in sweeps.items()}
     best: dict[str, dict[int, str]] = {
-        layout: {
-            n: min(STRATEGIES, key=lambda s: medians[layout, s][n - 1]) for n in range(1, rows + 1)
-        }
+        layout: {n: min(timed, key=lambda s: medians[layout, s][n - 1]) for n in range(1, rows + 1)}
         for layout in layouts
     }
 

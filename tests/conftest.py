@@ -137,6 +137,16 @@ def restore_torch_threads() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def restore_packing() -> Iterator[None]:
+    """`--no-packed-weights` changes the process too (specmtp.kernels.set_packing)."""
+    from specmtp.kernels import packing_allowed, set_packing
+
+    allowed = packing_allowed()
+    yield
+    set_packing(allowed)
+
+
 def hf_greedy(
     model: PreTrainedModel, prompt: list[int], new_tokens: int, *, eos: list[int] | None = None
 ) -> list[int]:

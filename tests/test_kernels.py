@@ -5,6 +5,7 @@ measure_kernel_plan keeps the fastest strategy per row count."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -697,3 +698,38 @@ def test_a_memory_budget_counts_a_draft_models_packed_copies() -> None:
         decoder.generate(PROMPT, config)
     kernels.release_packed(draft)
     assert len(decoder.generate(PROMPT, config).tokens) == 8
+
+
+@needs_packing
+def test_no_packed_weights_turns_packing_off_everywhere(
+    tiny_target: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--no-packed-weights`: a plan neither times nor runs `packed` (a stored plan's packed
+    rows take the default kernels), and a bfloat16 model loads with other row-invariant
+    products; no packed copy is made anywhere."""
+    from specmtp import invariant
+    from specmtp.cli import main
+
+    assert main(["generate", "x", "--no-packed-weights", "--target", "/nonexistent"]) != 0
+    assert not kernels.packing_allowed()  # set by the flag, before the target failed to load
+    timed: list[str] = []
+
+    def fake_costs(
+        runner: CachedModel, prompt_ids: list[int], *, max_tokens: int, repeats: int
+    ) -> tuple[float, ...]:
+        timed.append(kernel_plan(runner.model).by_rows[1])
+        return tuple(1.0 for _ in range(max_tokens))
+
+    monkeypatch.setattr(kernels, "measure_verify_costs", fake_costs)
+    model = swapped("llama")
+    measure_kernel_plan(CachedModel(model, vocab_size=TINY_VOCAB), PROMPT, repeats=1)
+    assert timed and "packed" not in timed
+    kernels.apply_kernel_plan(model, {"4": "packed"})
+    assert kernel_plan(model).strategy(4) == "head" and kernels.packed_bytes(model) == 0
+    bf16 = load_model(str(tiny_target), dtype=torch.bfloat16).model
+    assert "packed" not in invariant.describe_products(
+        {(m.weight.shape, m.weight.dtype): m.invariant_product for m in tuned_modules(bf16)}
+    )
+    assert kernels.packed_bytes(bf16) == 0
+    assert main(["generate", "x", "--target", "/nonexistent"]) != 0
+    assert kernels.packing_allowed()  # without the flag, packing again
