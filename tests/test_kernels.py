@@ -315,6 +315,12 @@ def test_spec_decoding_a_swapped_model_equals_hf_greedy(
     set_weight_layout(target, layout)
     draft = perturbed_copy(target, scale=0.3, seed=1)
     use_tuned_linear(draft).by_rows = dict.fromkeys(range(2, MAX_ROWS + 1), "all")
+    decodes_as_hf_greedy(target, draft)
+    assert spy  # verify passes of 5 rows went through the transposed kernel
+
+
+def decodes_as_hf_greedy(target: PreTrainedModel, draft: PreTrainedModel) -> None:
+    """Speculative decoding with a partly agreeing draft gives Hugging Face's greedy tokens."""
     decoder = SpecDecoder(
         target,
         drafter=DraftModelDrafter(draft, vocab_size=TINY_VOCAB),
@@ -322,7 +328,6 @@ def test_spec_decoding_a_swapped_model_equals_hf_greedy(
         context_length=256,
     )
     result = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=40, gamma=4))
-    assert spy  # verify passes of 5 rows went through the transposed kernel
     assert 0 < result.stats.accepted_tokens < result.stats.drafted_tokens  # partly accepting
     assert result.tokens == hf_greedy(target, PROMPT, 40)
 
@@ -648,17 +653,8 @@ def test_spec_decoding_with_packed_products_equals_hf_greedy(
     packed_spy: list[torch.Tensor],
 ) -> None:
     target = swapped("llama", "packed")
-    draft = perturbed_copy(target, scale=0.3, seed=1)
-    decoder = SpecDecoder(
-        target,
-        drafter=DraftModelDrafter(draft, vocab_size=TINY_VOCAB),
-        vocab_size=TINY_VOCAB,
-        context_length=256,
-    )
-    result = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=40, gamma=4))
+    decodes_as_hf_greedy(target, perturbed_copy(target, scale=0.3, seed=1))
     assert packed_spy  # verify passes of 5 rows went through the packed product
-    assert 0 < result.stats.accepted_tokens < result.stats.drafted_tokens  # partly accepting
-    assert result.tokens == hf_greedy(target, PROMPT, 40)
 
 
 @needs_packing
