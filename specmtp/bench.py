@@ -219,8 +219,8 @@ class BenchResult:
             "kernel_plan_from": "stored" if self.config.stored_kernels else "measured",
             "kernel_plan": None if self.kernel_plan is None else self.kernel_plan.by_rows,
             "kernel_layout": None if self.kernel_plan is None else self.kernel_plan.layout,
-            # the products of row-invariant half-precision forwards: "flat", "padded", or
-            # per weight shape ("flat, padded for 576x1536")
+            # the products of row-invariant half-precision forwards: "packed", "flat", "padded",
+            # or per weight shape ("packed, padded for 1536x8960")
             "row_invariant": None if self.kernel_plan is None else self.kernel_plan.row_invariant,
             # what computes their attention: "native (attention.c)" or "torch, row by row"
             "row_invariant_attention": None
