@@ -73,7 +73,6 @@ from specmtp.kernels import (
     kernel_plan,
     pack_weight,
     packing_allowed,
-    packing_available,
     settle_packed,
     use_tuned_linear,
 )
@@ -326,8 +325,7 @@ def rows_invariant(weight: torch.Tensor, *, product: str = "flat", seed: int = 0
 def product_kinds() -> tuple[str, ...]:
     """The row-invariant products, cheapest first: oneDNN's on weights packed once
     ("packed", where torch has it), F.linear ("flat"), padded blocks of PAD_ROWS rows."""
-    packed = packing_available() and packing_allowed()
-    return (PACKED, "flat", "padded") if packed else ("flat", "padded")
+    return (PACKED, "flat", "padded") if packing_allowed() else ("flat", "padded")
 
 
 def invariant_product(weight: torch.Tensor, kinds: Sequence[str] | None = None) -> str | None:

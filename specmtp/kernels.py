@@ -70,35 +70,9 @@ def packing_available() -> bool:
         return False
 
 
-# Process-wide, like _ENABLED: whether weights may be packed (`--no-packed-weights` says
-# no: the copies cost memory). Plans then neither time nor run `packed`, and models loaded
-# meanwhile take other row-invariant products.
-_PACKING = True
-
-
-def set_packing(enabled: bool) -> None:
-    global _PACKING
-    _PACKING = enabled
-
-
-def packing_allowed() -> bool:
-    return _PACKING
-
-
-@contextmanager
-def without_packing() -> Iterator[None]:
-    """No packing for a while: a drafter whose products all become int8 would pack its
-    weights at load only to drop them."""
-    before = packing_allowed()
-    set_packing(False)
-    try:
-        yield
-    finally:
-        set_packing(before)
-
-
+PACKING_AVAILABLE = packing_available()
 PACKED = "packed"
-STRATEGIES = ("plain", "head", "all", "even", *((PACKED,) if packing_available() else ()))
+STRATEGIES = ("plain", "head", "all", "even", *((PACKED,) if PACKING_AVAILABLE else ()))
 PACKED_ROWS = 8  # the row count oneDNN packs the weights for: verify passes of 1-MAX_ROWS
 LAYOUTS = ("out-major", "in-major")  # how the non-head weights are stored (set_weight_layout)
 
@@ -113,6 +87,35 @@ def set_tuned_linear(enabled: bool) -> None:
 
 def tuned_linear_enabled() -> bool:
     return _ENABLED
+
+
+# Process-wide too: whether weights may be packed (`--no-packed-weights` says no: the
+# copies cost memory). Plans then neither time nor run `packed` (a plan from a profile or
+# another machine takes the default kernels for its packed rows), and models loaded
+# meanwhile take other row-invariant products.
+_PACKING = True
+
+
+def set_packing(enabled: bool) -> None:
+    global _PACKING
+    _PACKING = enabled
+
+
+def packing_allowed() -> bool:
+    """Whether packing is both wanted (set_packing) and possible (this torch has oneDNN)."""
+    return _PACKING and PACKING_AVAILABLE
+
+
+@contextmanager
+def without_packing() -> Iterator[None]:
+    """No packing for a while: a drafter whose products all become int8 would pack its
+    weights at load only to drop them."""
+    before = _PACKING
+    set_packing(False)
+    try:
+        yield
+    finally:
+        set_packing(before)
 
 
 @dataclass

@@ -123,7 +123,7 @@ def test_an_int8_self_draft_keeps_greedy_output(tiny_target: Path) -> None:
     assert done.stats.accepted_tokens > 0
 
 
-@pytest.mark.skipif(not kernels.packing_available(), reason="no oneDNN packed product")
+@pytest.mark.skipif(not kernels.PACKING_AVAILABLE, reason="no oneDNN packed product")
 def test_an_int8_draft_in_bfloat16_packs_no_weights(
     tiny_target: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specmtp import invariant
+from specmtp import invariant, kernels
 from specmtp.api import SpecGenerator
 from specmtp.cache import CachedModel
 from specmtp.errors import SpecMTPError
@@ -289,7 +289,7 @@ def test_invariant_products_are_the_probed_two_dimensional_ones(
     assert dims and set(dims) == {2}
 
 
-@pytest.mark.skipif(not invariant.packing_available(), reason="no oneDNN packed product")
+@pytest.mark.skipif(not kernels.PACKING_AVAILABLE, reason="no oneDNN packed product")
 def test_packed_products_that_disagree_end_to_end_give_way_to_flat_ones(
     tiny_target: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

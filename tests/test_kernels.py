@@ -88,7 +88,7 @@ def packed_spy(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
 
 
 needs_packing = pytest.mark.skipif(
-    not kernels.packing_available(), reason="this torch has no oneDNN packed product"
+    not kernels.PACKING_AVAILABLE, reason="this torch has no oneDNN packed product"
 )
 
 
