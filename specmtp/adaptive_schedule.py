@@ -8,7 +8,8 @@
   It includes a never-slower guard: when no γ >= 1 is predicted to beat plain decoding,
   not even with the first position's acceptance at the top of what the sequence's longer
   record allows, it drafts nothing, and probes with γ = 1 now and then in case the text
-  has become predictable again; the interval doubles after each probe that leaves
+  has become predictable again (a tree drafter's top path alone: a check, not a bet; see
+  `checking`); the interval doubles after each probe that leaves
   drafting predicted not to pay, accepted drafts or not, and there are no probes when not
   even drafts that are all accepted would pay. A draft model that sat out rounds (or has
   not read the prompt) reads them before it drafts: it starts drafting only when the
@@ -99,6 +100,12 @@ class AdaptiveGamma:
         self.timed_drafts = 0  # drafting rounds seen by _update_speeds
         self.probe_every = settings.first_probe
         self.long_record = [0.0, 0.0]  # first position: accepted, reached (long_decay)
+        # Whether the round chosen last only checks that drafting pays: a probe, or a round
+        # the record cannot rule out but does not predict to pay. Such a round's drafter
+        # proposes its cheapest shape of that depth (a tree drafter its top path alone):
+        # on text where drafts miss, a tree's probe verified 5 rows to learn what 2 tell,
+        # and cost about a plain step more each (random tokens at temperature 1.0).
+        self.checking = False
 
     @property
     def alphas(self) -> list[float]:
@@ -209,10 +216,12 @@ class AdaptiveGamma:
         return range(1, top + 1)
 
     def next_gamma(self, limit: int, catch_up: int = 0) -> int:
+        self.checking = False
         choices = self.choices(max(0, min(self.max_gamma, limit)))
         if not choices:
             return 0
         if k := self.paying_gamma(choices):
+            self.checking = self.predicted_speedup(k) < self.settings.margin  # not yet ruled out
             if not catch_up:  # drafting every round: nothing to repay, nothing to predict again
                 return k
             speedup = max(
@@ -220,6 +229,7 @@ class AdaptiveGamma:
             )
             return k if self.repays(speedup, catch_up, limit) else 0
         if self.plain_rounds >= self.probe_every and self.could_pay(choices, catch_up, limit):
+            self.checking = True
             return choices[0]  # a probe: is the text predictable again?
         return 0
 
@@ -254,7 +264,8 @@ class AdaptiveGamma:
     def update(self, record: RoundRecord) -> None:
         if self.timing_feedback:
             self._update_speeds(record)
-        self.verified[record.drafted] = record.verified
+        if not record.checking:  # a check's top path is not the size of the rounds it checks for
+            self.verified[record.drafted] = record.verified
         if record.requested == 0:
             self.plain_rounds += 1
             return

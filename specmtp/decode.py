@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from specmtp.drafters import (
 )
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import packed_bytes
+from specmtp.mtp_drafter import single_path
 from specmtp.sampling import logits_to_probs
 from specmtp.schedule import RoundRecord, Schedule
 from specmtp.stats import GenerationStats
@@ -116,7 +118,9 @@ class SpecDecoder:
             schedule = arm_schedules[arm]
             catch_up = drafter_catch_up(self.drafter, context) if self.drafter is not None else 0
             k = schedule.next_gamma(limit, catch_up) if limit > 0 else 0
-            proposal, draft_s = self._draft(context, k, config, generator, max_positions)
+            checking = k > 0 and schedule.checking  # a check: a tree drafter's top path alone
+            with single_path(self.drafter) if checking else nullcontext():
+                proposal, draft_s = self._draft(context, k, config, generator, max_positions)
             verdict, verify_s = self._verify(context, proposal, config, generator, stats)
             outcome = self._commit(context, proposal, verdict, k, stats)
             accepted = outcome.num_accepted
@@ -125,7 +129,7 @@ class SpecDecoder:
             schedule.update(
                 RoundRecord(
                     k, proposal.depth, accepted, outcome.verified, draft_s, verify_s,
-                    caught_up=catch_up if k else 0,
+                    caught_up=catch_up if k else 0, checking=checking,
                 )
             )  # fmt: skip
             self.schedules.learn(arm, schedule)

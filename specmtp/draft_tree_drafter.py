@@ -77,6 +77,9 @@ class DraftTreeDrafter(DraftModelDrafter):
         self.most_beam = beam
         self.tuned_nodes = tuned_nodes  # `#nodes=auto`: the count comes from a tuning profile
         self.nodes = nodes
+        # Set by the decode loop for a round that only checks whether drafting pays
+        # (mtp_drafter.single_path): the draft's likeliest path alone, a chain.
+        self.single_path = False
 
     @property
     def nodes(self) -> int | None:
@@ -118,35 +121,41 @@ class DraftTreeDrafter(DraftModelDrafter):
         self.fed = context
         self.expected = context
         past = self.runner.length
-        scores = self._children({(): 0.0}, logits, sampling)  # depth 1
+        # A single path is a tree of k nodes, one child each: the draft's top-1 chain.
+        nodes, beam = (k, 1) if self.single_path else (self.nodes, self.beam)
+        scores = self._children({(): 0.0}, logits, sampling, beam)  # depth 1
         fed: list[TokenPath] = []  # tree nodes in the draft's cache after `past`, in order
         for depth in range(1, k):
-            expand = [p for p in self._likeliest(scores) if len(p) == depth][: self.beam]
+            expand = [p for p in self._likeliest(scores, nodes) if len(p) == depth][:beam]
             if not expand or math.exp(scores[expand[0]]) < self.min_probability:
                 break  # nothing at this depth can enter the tree, or the draft doubts it all
             logits = self._tree_step(expand, fed, past)  # [E, V]
             fed += expand
-            scores |= self._children({p: scores[p] for p in expand}, logits, sampling)
+            scores |= self._children({p: scores[p] for p in expand}, logits, sampling, beam)
         self.runner.crop(past)
-        chosen = self._likeliest(scores)
+        chosen = self._likeliest(scores, nodes)
         return paths_proposal({path: scores[path] for path in chosen}, context.device)
 
-    def _likeliest(self, scores: dict[TokenPath, float]) -> list[TokenPath]:
+    def _likeliest(self, scores: dict[TokenPath, float], nodes: int | None) -> list[TokenPath]:
         """The `nodes` likeliest paths; on ties the shorter first, so a path never ranks
         below its child (whose log-probability is at most its own) and they form a tree."""
-        return sorted(scores, key=lambda p: (-scores[p], len(p)))[: self.nodes]
+        return sorted(scores, key=lambda p: (-scores[p], len(p)))[:nodes]
 
     def _children(
-        self, parents: dict[TokenPath, float], logits: torch.Tensor, sampling: SamplingConfig
+        self,
+        parents: dict[TokenPath, float],
+        logits: torch.Tensor,
+        sampling: SamplingConfig,
+        beam: int,
     ) -> dict[TokenPath, float]:
-        """Each parent's BEAM likeliest children with their paths' log-probabilities.
+        """Each parent's `beam` likeliest children with their paths' log-probabilities.
         logits [P, V]: row i after the i-th parent. Greedy ranks by the draft's own
         distribution; sampling by the one it samples from (temperature, top-k, top-p)."""
         if sampling.greedy:
             logprob = torch.log_softmax(logits.float(), -1)  # [P, V]
         else:
             logprob = logits_to_probs(logits, sampling).log()  # [P, V], -inf off top-k/top-p
-        top = logprob.topk(self.beam, dim=-1)  # [P, beam]
+        top = logprob.topk(beam, dim=-1)  # [P, beam]
         children: dict[TokenPath, float] = {}
         for (path, score), values, tokens in zip(
             parents.items(), top.values.tolist(), top.indices.tolist(), strict=True

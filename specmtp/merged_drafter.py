@@ -54,6 +54,7 @@ class MergedDrafter(LookupFirstDrafter):
         self.timing_tree: TokenTree = fallback.tree or best_tree(
             [TIMING_RANK_PROBS] * TIMING_DEPTH, TIMING_DEPTH + fallback.max_depth
         )
+        self.single_path = False  # a round that only checks: the copy alone (mtp_drafter)
 
     @property
     def nodes(self) -> int | None:
@@ -72,6 +73,8 @@ class MergedDrafter(LookupFirstDrafter):
             self.fallback_rounds += 1
             return self.heads.propose(context, k, sampling, generator)
         self.lookup_rounds += 1
+        if self.single_path:  # a round that only checks: the copy alone
+            return Proposal(found[:k].unsqueeze(0).clone(), None)
         return paths_proposal(self.united(found[:k].tolist(), context, k), context.device)
 
     def united(self, copied: list[int], context: torch.Tensor, k: int) -> dict[TokenPath, float]:

@@ -4,6 +4,9 @@ tokens drafted per round)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from specmtp.cache import module_tensors
@@ -57,6 +60,9 @@ class MTPDrafter:
         self.tree = tree
         self.nodes = nodes
         self.tuned_nodes = tuned_nodes
+        # Set by the decode loop for a round that only checks whether drafting pays
+        # (single_path below): a tree drafter drafts the heads' chain instead.
+        self.single_path = False
         self.name = name
         self.needs_target_hidden = True
         self.target_hidden_layers = heads.config.feature_layers
@@ -100,7 +106,7 @@ class MTPDrafter:
         k = min(k, self.max_depth)
         if self.hidden is None or k == 0:  # the first round has no verified hidden state yet
             return empty_proposal(context.shape[0], context.device)
-        if self.tree is not None:
+        if self.tree is not None and not self.single_path:
             return self._tree_proposal(context, k)
         if self.history is not None:  # sequential depths: their greedy chain
             return Proposal(self.history.draft(context, k)[0], None)
@@ -188,6 +194,32 @@ def dynamic_tree_drafter(drafter: Drafter | None) -> MTPDrafter | DraftTreeDraft
     if isinstance(drafter, DraftTreeDrafter):
         return drafter
     return None
+
+
+@contextmanager
+def single_path(drafter: Drafter | None) -> Iterator[None]:
+    """Within it, a drafter of token trees proposes one path alone, a chain: the cheapest
+    round of a given depth, for rounds that only check whether drafting pays again (the
+    adaptive schedule's probes). A tree's first depth holds several candidates, so a check
+    with the tree verifies several rows for the evidence of one. Drafters that draft trees
+    (MTP heads with a tree, a draft model's tree, a merged drafter) have a `single_path`
+    flag, set here on the drafter and on a lookup-first drafter's fallback."""
+    flagged = [d for d in _nested(drafter) if hasattr(d, "single_path")]
+    for inner in flagged:
+        inner.single_path = True
+    try:
+        yield
+    finally:
+        for inner in flagged:
+            inner.single_path = False
+
+
+def _nested(drafter: Drafter | None) -> Iterator[Drafter]:
+    """The drafter, and the drafters inside it (a lookup-first drafter's fallback)."""
+    if drafter is not None:
+        yield drafter
+    if isinstance(drafter, LookupFirstDrafter):
+        yield from _nested(drafter.fallback)
 
 
 def drafter_depth(drafter: Drafter | None) -> int | None:

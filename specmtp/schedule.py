@@ -27,9 +27,14 @@ class RoundRecord:
     draft_s: float
     verify_s: float
     caught_up: int = 0  # tokens the drafter read before drafting (drafters.drafter_catch_up)
+    checking: bool = False  # a round that only checked whether drafting pays (Schedule.checking)
 
 
 class Schedule(Protocol):
+    # Whether the round next_gamma chose only checks whether drafting pays (a probe after
+    # plain rounds): it should be the cheapest of its depth (a tree drafter's top path).
+    checking: bool
+
     def next_gamma(self, limit: int, catch_up: int = 0) -> int:
         """γ for the coming round, at most `limit` (the tokens or memory left); drafting
         first makes the drafter read `catch_up` tokens it has not seen."""
@@ -38,6 +43,8 @@ class Schedule(Protocol):
 
 
 class FixedGamma:
+    checking = False
+
     def __init__(self, gamma: int) -> None:
         self.gamma = gamma
 
@@ -50,6 +57,8 @@ class FixedGamma:
 
 class HeuristicGamma:
     """Hugging Face's `num_assistant_tokens_schedule="heuristic"`, run by our engine."""
+
+    checking = False
 
     def __init__(self, start: int) -> None:
         self.gamma = start

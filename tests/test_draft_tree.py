@@ -13,6 +13,7 @@ from conftest import TINY_VOCAB, hf_greedy, tiny_model
 from lossless_models import TINY_V, decoder_counts, peaked_target_and_draft, target_joint
 from lossless_stats import fit
 from test_lossless import LOOP_SAMPLES, SAMPLINGS, TreeSpy
+from test_schedule import DRAFT_S, FakeTime, decode_on_fake_clock
 from transformers import PreTrainedModel
 
 from specmtp import decode
@@ -21,9 +22,10 @@ from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.draft_model import DraftLM, draft_config_for, init_from_target, save_draft
 from specmtp.draft_model_drafter import DraftModelDrafter
 from specmtp.draft_tree_drafter import DraftTreeDrafter
-from specmtp.drafters import LookupFirstDrafter, TokenPath
+from specmtp.drafters import LookupFirstDrafter, Proposal, TokenPath
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel, load_model
+from specmtp.mtp_drafter import single_path
 from specmtp.tree import TokenTree
 
 PROMPT = [5, 17, 3, 88, 41, 5, 17, 3, 60, 2, 33, 71]
@@ -87,9 +89,9 @@ def proposed_paths(drafter: DraftTreeDrafter, context: list[int], k: int) -> dic
     scores: dict[TokenPath, float] = {}
     spy = drafter._likeliest
 
-    def recording(found: dict[TokenPath, float]) -> list[TokenPath]:
+    def recording(found: dict[TokenPath, float], nodes: int | None) -> list[TokenPath]:
         scores.update(found)
-        return spy(found)
+        return spy(found, nodes)
 
     drafter._likeliest = recording  # type: ignore[method-assign]
     try:
@@ -145,6 +147,32 @@ def test_a_tree_ranks_siblings_and_depths_by_the_drafts_probabilities(
     assert depth_one == first[: len(depth_one)].tolist()
 
 
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0)])
+def test_a_check_drafts_the_trees_top_path_alone(
+    target: PreTrainedModel, k: int, sampling: SamplingConfig
+) -> None:
+    """Under `single_path` (a round that only checks whether drafting pays) the tree
+    drafter proposes a chain: the slow reference's path of k nodes, one child each, which
+    is the draft's greedy chain, as fixed choices (no q, also when sampling: the top token
+    of the distribution the tree is ranked by). Inside a lookup-first drafter too; after
+    it, trees again."""
+    draft = make_draft(target, copy=False)
+    drafter = DraftTreeDrafter(draft, vocab_size=TINY_VOCAB, nodes=8)
+    chain = DraftModelDrafter(draft, vocab_size=TINY_VOCAB)
+    context = torch.tensor([PROMPT])
+    greedy_chain = chain.propose(context, k, GREEDY, None).tokens[0].tolist()
+    reference = reference_scores(draft, PROMPT, k, nodes=k, beam=1)
+    assert list(reference) == [tuple(greedy_chain[:d]) for d in range(1, k + 1)]
+    for wrapped in (drafter, LookupFirstDrafter(drafter)):
+        with single_path(wrapped):
+            proposal = wrapped.propose(context, k, sampling, None)
+        assert proposal.tree is None and proposal.probs is None
+        assert proposal.tokens[0].tolist() == greedy_chain
+        assert drafter.runner.length == len(PROMPT) and not drafter.single_path
+    assert drafter.propose(context, k, sampling, None).tree is not None
+
+
 KINDS = {"self": True, "random": False}
 
 
@@ -184,6 +212,47 @@ def test_a_tree_accepts_more_than_the_chain_of_its_depth(target: PreTrainedModel
         results[name] = decoder.generate(PROMPT, config)
     assert results["tree"].tokens == results["chain"].tokens
     assert results["tree"].stats.rounds < results["chain"].stats.rounds
+
+
+class CheckRecorder(DraftTreeDrafter):
+    """A draft tree on test_schedule's fake clock (`per_token` seconds a drafted depth),
+    recording whether each round drafted under `single_path` and what it proposed."""
+
+    def __init__(self, model: PreTrainedModel, clock: FakeTime, per_token: float) -> None:
+        super().__init__(model, vocab_size=TINY_VOCAB, nodes=4)
+        self.clock, self.per_token = clock, per_token
+        self.rounds: list[tuple[bool, Proposal]] = []
+
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        proposal = super().propose(context, k, sampling, generator)
+        self.clock.now += self.per_token * proposal.depth
+        self.rounds.append((self.single_path, proposal))
+        return proposal
+
+
+def test_the_adaptive_schedules_probes_verify_the_trees_top_path(
+    monkeypatch: pytest.MonkeyPatch, target: PreTrainedModel
+) -> None:
+    """A draft that misses (an unrelated model) under the adaptive schedule: it falls back
+    to plain decoding, and its probes draft one token, the top path alone, not the tree;
+    rounds predicted to pay draft trees. Greedy output stays Hugging Face's."""
+    clock = FakeTime()
+    drafter = CheckRecorder(tiny_model("llama", seed=99), clock, DRAFT_S)
+    decoder = decode_on_fake_clock(monkeypatch, target, drafter, clock)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=4, schedule="adaptive")
+    result = decoder.generate(PROMPT, config)
+    assert result.tokens == hf_greedy(target, PROMPT, NEW_TOKENS)
+    checks = [proposal for checking, proposal in drafter.rounds if checking]
+    trees = [proposal for checking, proposal in drafter.rounds if not checking]
+    assert len(checks) >= 2 and all(p.tree is None and p.depth == 1 for p in checks)
+    assert trees and all(p.tree is not None for p in trees)
+    assert result.stats.requested_gammas[0] > result.stats.rounds / 2  # mostly plain
 
 
 def test_sampled_draft_tree_decoding_emits_the_target_joint(

@@ -10,11 +10,11 @@ from transformers import PreTrainedModel
 
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
-from specmtp.drafters import LookupFirstDrafter, Proposal
+from specmtp.drafters import LookupFirstDrafter, Outcome, Proposal
 from specmtp.errors import SpecMTPError
 from specmtp.heads import Heads, build_heads, describe_target
 from specmtp.heads_config import HeadsConfig
-from specmtp.mtp_drafter import MTPDrafter
+from specmtp.mtp_drafter import MTPDrafter, single_path
 from specmtp.mtp_loss import decaying_weights, mtp_losses
 from specmtp.tree import TokenTree
 
@@ -112,6 +112,28 @@ def test_a_dynamic_tree_verifies_its_likeliest_nodes_and_stays_greedy_exact(
     full = [t for t in drafter.trees if t.num_nodes == 4]  # rounds near the end draft less
     assert len(full) >= len(drafter.trees) - 2
     assert len({t.paths for t in full}) > 1  # the shape follows the drafts
+
+
+@pytest.mark.parametrize("kind", ["parallel", "sequential"])
+@pytest.mark.parametrize("nodes", [None, 4])
+def test_a_check_drafts_the_heads_chain(
+    target: PreTrainedModel, kind: str, nodes: int | None
+) -> None:
+    """Under `single_path` (a round that only checks whether drafting pays) MTP heads that
+    draft a tree, fixed or dynamic, propose the chain the same heads draft without one."""
+    heads = trained_heads(target, kind, steps=60)
+    tree, chain = MTPDrafter(heads, tree=TREE, nodes=nodes), MTPDrafter(heads)
+    context = torch.tensor([PROMPT])
+    with torch.no_grad():
+        hidden = target(context[:, :-1], output_hidden_states=True).hidden_states[-1]
+    for drafter in (tree, chain):  # the prompt's hidden states, as the decoder's prefill
+        drafter.observe(Outcome(context, 0, hidden, verified=hidden.shape[1]))
+    expected = chain.propose(context, 3, SamplingConfig(), None)
+    assert expected.tokens.shape == (1, 3)
+    with single_path(tree):
+        proposal = tree.propose(context, 3, SamplingConfig(), None)
+    assert proposal.tree is None and torch.equal(proposal.tokens, expected.tokens)
+    assert tree.propose(context, 3, SamplingConfig(), None).tree is not None
 
 
 def test_a_dynamic_tree_needs_a_tree_and_nodes(target: PreTrainedModel) -> None:

@@ -223,6 +223,41 @@ def test_adaptive_falls_back_to_plain_decoding_and_probes_at_doubling_intervals(
     assert schedule.next_gamma(0) == 0
 
 
+def test_adaptive_checks_with_its_probes_and_keeps_the_trees_verify_size() -> None:
+    """A probe, or a round the record cannot rule out but does not predict to pay, only
+    checks whether drafting pays (`checking`: a tree drafter drafts its top path alone);
+    a round predicted to pay does not. A check's verify size is its top path's, not the
+    tree's: it does not replace the size the tree's rounds are priced at."""
+    settings = AdaptiveSettings(first_probe=4, last_probe=16)
+    schedule = AdaptiveGamma(target_cost(0.2), max_gamma=1, settings=settings)
+    tree_rows, path_rows = 5, 2  # a 4-node tree of depth 1, and its top path alone
+
+    def play(accepted: int) -> tuple[int, bool]:
+        k, checking = schedule.next_gamma(1), schedule.checking
+        rows = 1 if not k else path_rows if checking else tree_rows
+        cost = schedule.cost
+        schedule.update(
+            RoundRecord(k, k, accepted if k else 0, rows, cost.draft_s(k), cost.target_s(rows),
+                        checking=checking and k > 0)
+        )  # fmt: skip
+        return k, checking
+
+    first = play(0)
+    assert first == (1, False)  # the prior predicts a tree of depth 1 to pay
+    missed = [play(0) for _ in range(60)]
+    fallback = [k for k, _ in missed].index(0)
+    drafted = [checking for k, checking in missed[fallback:] if k]
+    assert len(drafted) >= 3 and all(drafted)  # every probe a check
+    assert schedule.verified[1] == tree_rows
+    assert schedule.predicted_speedup(1, [1.0]) == pytest.approx(
+        2
+        * schedule.current_cost().target_s(1)
+        / (schedule.current_cost().draft_s(1) + schedule.current_cost().target_s(tree_rows))
+    )
+    hits = [play(1) for _ in range(80)]  # the text turns predictable: drafting pays again
+    assert hits[-10:] == [(1, False)] * 10
+
+
 def test_adaptive_does_not_probe_a_drafter_that_cannot_pay() -> None:
     """Every draft accepted, but each costs as much as a target step (the target drafting
     for itself): no text makes drafting pay, so once it falls back it never probes."""
