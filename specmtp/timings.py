@@ -14,8 +14,13 @@ the target drafting for itself draft 8 tokens every round, at 0.71x of plain dec
 first run times and stores it; every later run on the machine reads the same numbers, and a
 run that needs larger sizes appends them, keeping the stored ones. Greedy runs still time
 T(n) in their own process: their output does not depend on it, their speed does. The key
-leaves out the kernel plan (kernels.py): a bench measures one per process, and here the
-numbers must repeat, not follow the kernels.
+holds the kernel plan the target runs (kernels.py: the product per row count, the weight
+layout): `generate` runs the plan stored per machine, so its T(n) repeat; a bench that
+measures a plan of its own times T(n) again under it unless one was stored for that plan.
+Left out of the key, T(n) stored under one plan steered runs of another: with T(2) stored
+2% above T(1) under packed products and 17% above under the plan a bench measured, a
+draft chain at temperature 1.0 kept drafting with 0.2 of its drafts accepted, at 0.91x
+(docs/tuning-and-measurement.md section 35).
 
 The kernel plan itself (kernels.py: which product each row count uses) is measured once
 per machine for `generate` too, and kept here beside the timings (KernelPlanStore): a
@@ -34,7 +39,7 @@ import platform
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,11 +84,13 @@ def machine_key(model: torch.nn.Module) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class TimingStore:
-    """One file of seconds for the machine described by `key`: T(n) for n = 1, 2, ...,
-    or a drafter's D(k) = a + b·k as (a, b)."""
+    """One file of seconds for the machine described by `machine`, under the kernel plan
+    `kernels_of` runs when the file is read or written: T(n) for n = 1, 2, ..., or a
+    drafter's D(k) = a + b·k as (a, b)."""
 
-    path: Path
-    key: dict[str, Any]
+    directory: Path
+    machine: dict[str, Any]
+    kernels_of: torch.nn.Module | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def for_model(
@@ -96,16 +103,31 @@ class TimingStore:
         if drafter is not None:
             key["drafter"] = getattr(drafter, "name", type(drafter).__name__)
             key["drafter_weights"] = weights_fingerprint(drafter.weight_tensors())
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        return cls((root or cache_root()) / "timings" / f"{digest}.json", key)
+        return cls((root or cache_root()) / "timings", key, model)
+
+    @property
+    def key(self) -> dict[str, Any]:
+        """`machine`, and the kernel per row count and the weight layout the model runs now
+        (read when used: a bench measures its plan after building its generators)."""
+        plan = None if self.kernels_of is None else kernel_plan(self.kernels_of)
+        if plan is None or plan.row_invariant is not None:
+            return self.machine  # no plan, or a row-invariant one (fixed kernels, machine_key)
+        kernels = [plan.strategy(rows) for rows in range(1, MAX_ROWS + 1)]
+        return {**self.machine, "kernels": kernels, "layout": plan.layout}
+
+    @property
+    def path(self) -> Path:
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
+        return self.directory / f"{digest}.json"
 
     def load(self) -> tuple[float, ...]:
         """The stored T(n), () when there is none. A file that cannot be read, or was
         written for another machine, is reported on stderr and read as none: it is a
         cache, and the next store replaces it."""
+        path, key = self.path, self.key
         try:
-            found = json.loads(self.path.read_text())
-            if found["key"] != self.key:
+            found = json.loads(path.read_text())
+            if found["key"] != key:
                 raise ValueError("it was written for another model or machine")
             seconds = tuple(float(s) for s in found["seconds"])
             if not seconds or min(seconds) < 0:
@@ -114,7 +136,7 @@ class TimingStore:
         except FileNotFoundError:
             return ()
         except (OSError, ValueError, KeyError, TypeError) as error:
-            print(f"specmtp: ignoring stored timings {self.path}: {error}", file=sys.stderr)
+            print(f"specmtp: ignoring stored timings {path}: {error}", file=sys.stderr)
             return ()
 
     def keep(self, measured: Sequence[float]) -> tuple[float, ...]:
@@ -126,17 +148,18 @@ class TimingStore:
         if len(stored) >= len(measured):
             return stored
         seconds = (*stored, *measured[len(stored) :])
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"key": self.key, "seconds": seconds}, indent=1)
-        handle, name = tempfile.mkstemp(dir=self.path.parent, prefix=".timings-")
+        path, key = self.path, self.key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"key": key, "seconds": seconds}, indent=1)
+        handle, name = tempfile.mkstemp(dir=path.parent, prefix=".timings-")
         try:
             with os.fdopen(handle, "w") as file:
                 file.write(text)
-            if stored or self.path.exists():  # extended, or unreadable: replaced
-                os.replace(name, self.path)
+            if stored or path.exists():  # extended, or unreadable: replaced
+                os.replace(name, path)
             else:
                 try:
-                    os.link(name, self.path)  # fails if another process stored first
+                    os.link(name, path)  # fails if another process stored first
                 except FileExistsError:
                     return self.load() or seconds
         finally:

@@ -15,7 +15,7 @@ from specmtp import costmodel, decode, decode_schedules, native, timings
 from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.decode import SpecDecoder
 from specmtp.draft_model_drafter import DraftModelDrafter
-from specmtp.kernels import KernelPlan, use_tuned_linear
+from specmtp.kernels import KernelPlan, set_weight_layout, use_tuned_linear
 from specmtp.stats import GenerationStats
 from specmtp.timings import KernelPlanStore, TimingStore, use_stored_kernel_plan
 
@@ -80,13 +80,13 @@ def test_greedy_runs_still_time_t_n_in_their_own_process(
 
 
 def test_the_store_appends_larger_sizes_and_keeps_the_stored_ones(tmp_path: Path) -> None:
-    store = TimingStore(tmp_path / "t.json", {"machine": 1})
+    store = TimingStore(tmp_path, {"machine": 1})
     assert store.load() == ()
     assert store.keep((1.0, 2.0)) == (1.0, 2.0)
     assert store.keep((5.0, 6.0, 7.0)) == (1.0, 2.0, 7.0)
     assert store.keep((9.0,)) == (1.0, 2.0, 7.0)
-    assert TimingStore(store.path, {"machine": 1}).load() == (1.0, 2.0, 7.0)
-    assert not [p for p in tmp_path.iterdir() if p.name != "t.json"]  # no temporary left
+    assert TimingStore(tmp_path, {"machine": 1}).load() == (1.0, 2.0, 7.0)
+    assert list(tmp_path.iterdir()) == [store.path]  # no temporary left
 
 
 @pytest.mark.parametrize(
@@ -101,7 +101,7 @@ def test_the_store_appends_larger_sizes_and_keeps_the_stored_ones(tmp_path: Path
 def test_an_unreadable_store_is_reported_and_replaced(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, reason: str
 ) -> None:
-    store = TimingStore(tmp_path / "t.json", {"machine": 1})
+    store = TimingStore(tmp_path, {"machine": 1})
     store.path.write_text(content)
     assert store.load() == ()
     message = capsys.readouterr().err
@@ -120,6 +120,25 @@ def test_the_store_is_kept_per_model_and_thread_count(
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     assert TimingStore.for_model(target, root=tmp_path).path != store.path
+
+
+def test_each_kernel_plan_keeps_its_own_store(tmp_path: Path) -> None:
+    """T(n) stored under one kernel plan (kernels.py) is not read under another: a bench
+    measures a plan of its own after building its generators, so the store reads the plan
+    the model runs when it is used, not when it was made."""
+    model = tiny_model("llama", seed=6)
+    plan = use_tuned_linear(model)
+    store = TimingStore.for_model(model, root=tmp_path)
+    assert store.keep((1.0, 1.1)) == (1.0, 1.1)
+    first = store.path
+    plan.by_rows = {**plan.by_rows, 2: "even" if plan.strategy(2) != "even" else "all"}
+    assert store.path != first and store.load() == ()  # another plan: timed again
+    assert store.keep((2.0, 2.5)) == (2.0, 2.5)
+    second = store.path
+    set_weight_layout(model, "in-major" if plan.layout != "in-major" else "out-major")
+    assert store.path not in (first, second) and store.load() == ()
+    assert json.loads(first.read_text())["seconds"] == [1.0, 1.1]  # each plan's kept
+    assert json.loads(second.read_text())["seconds"] == [2.0, 2.5]
 
 
 def test_row_invariant_forwards_keep_a_store_per_attention_path(
