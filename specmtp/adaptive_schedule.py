@@ -220,8 +220,8 @@ class AdaptiveGamma:
         choices = self.choices(max(0, min(self.max_gamma, limit)))
         if not choices:
             return 0
-        if k := self.paying_gamma(choices):
-            self.checking = self.predicted_speedup(k) < self.settings.margin  # not yet ruled out
+        k, self.checking = self.paying_choice(choices)
+        if k:
             if not catch_up:  # drafting every round: nothing to repay, nothing to predict again
                 return k
             speedup = max(
@@ -253,13 +253,17 @@ class AdaptiveGamma:
         """The choice predicted to draft fastest, if it beats plain decoding by the margin;
         else the cheapest, if the sequence's record cannot yet rule out that it does; else
         0 (fall back to plain decoding)."""
+        return self.paying_choice(choices)[0]
+
+    def paying_choice(self, choices: range) -> tuple[int, bool]:
+        """paying_gamma's choice, and whether it only checks (not ruled out, not predicted)."""
         margin = self.settings.margin
         best = max(choices, key=lambda k: (self.predicted_speedup(k), -k))
         if self.predicted_speedup(best) >= margin:
-            return best
+            return best, False
         if self.predicted_speedup(choices[0], self.optimistic_alphas()) >= margin:
-            return choices[0]
-        return 0
+            return choices[0], True
+        return 0, False
 
     def update(self, record: RoundRecord) -> None:
         if self.timing_feedback:

@@ -68,13 +68,13 @@ class MergedDrafter(LookupFirstDrafter):
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> Proposal:
+        if self.single_path:  # a round that only checks: the copy alone, or the heads' chain
+            return super().propose(context, k, sampling, generator)
         found = self._continuation(context)
         if found is None or k == 0:
             self.fallback_rounds += 1
             return self.heads.propose(context, k, sampling, generator)
         self.lookup_rounds += 1
-        if self.single_path:  # a round that only checks: the copy alone
-            return Proposal(found[:k].unsqueeze(0).clone(), None)
         return paths_proposal(self.united(found[:k].tolist(), context, k), context.device)
 
     def united(self, copied: list[int], context: torch.Tensor, k: int) -> dict[TokenPath, float]:

@@ -117,14 +117,18 @@ class TimingStore:
 
     @property
     def path(self) -> Path:
-        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
+        return self._file(self.key)
+
+    def _file(self, key: dict[str, Any]) -> Path:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         return self.directory / f"{digest}.json"
 
     def load(self) -> tuple[float, ...]:
         """The stored T(n), () when there is none. A file that cannot be read, or was
         written for another machine, is reported on stderr and read as none: it is a
         cache, and the next store replaces it."""
-        path, key = self.path, self.key
+        key = self.key
+        path = self._file(key)
         try:
             found = json.loads(path.read_text())
             if found["key"] != key:
@@ -148,7 +152,8 @@ class TimingStore:
         if len(stored) >= len(measured):
             return stored
         seconds = (*stored, *measured[len(stored) :])
-        path, key = self.path, self.key
+        key = self.key
+        path = self._file(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps({"key": key, "seconds": seconds}, indent=1)
         handle, name = tempfile.mkstemp(dir=path.parent, prefix=".timings-")

@@ -16,7 +16,7 @@ from specmtp.drafters import LOOKUP_ARM, MODEL_ARM, NgramDrafter, NoMemory, Outc
 from specmtp.errors import SpecMTPError
 from specmtp.merged_drafter import MergedDrafter
 from specmtp.models import LoadedModel
-from specmtp.mtp_drafter import MTPDrafter, drafter_tree
+from specmtp.mtp_drafter import MTPDrafter, drafter_tree, single_path
 
 GREEDY = SamplingConfig()
 
@@ -93,6 +93,18 @@ def test_the_tree_holds_the_copy_then_the_heads_likeliest_nodes() -> None:
     # γ bounds the tree's depth: one copied token, the heads' first tokens beside it.
     assert node_paths(drafter.propose(COPYING, 1, GREEDY, None)) == {(7,), (4,)}
     assert drafter.heads.asked == [3, 1]
+
+
+def test_a_check_proposes_the_copy_alone() -> None:
+    """Under `single_path` (a round that only checks whether drafting pays) a merged
+    drafter proposes what its lookup-first parent would: the copy, a chain; after it, the
+    tree again."""
+    drafter = merged(HEADS)
+    with single_path(drafter):
+        proposal = drafter.propose(COPYING, 3, GREEDY, None)
+    assert proposal.tree is None and proposal.tokens.tolist() == [[7, 8, 9]]
+    assert drafter.heads.asked == [] and not drafter.single_path
+    assert drafter.propose(COPYING, 3, GREEDY, None).tree is not None
 
 
 def test_a_node_budget_keeps_the_copy_and_drops_the_least_likely_drafts() -> None:
