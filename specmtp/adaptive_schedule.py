@@ -29,10 +29,17 @@ from itertools import accumulate
 from specmtp.costmodel import CostModel, expected_tokens
 from specmtp.schedule import RoundRecord
 
+NEUTRAL = 0.5  # the first position's α before any evidence, without a measured prior
+
 
 @dataclass(frozen=True)
 class AdaptiveSettings:
     prior_strength: float = 2.0  # pseudo-rounds behind the prior α at each position
+    # Pseudo-rounds behind the first position's neutral 0.5 when no prior was measured (no
+    # profile, or one tuned at another temperature): a guess weighs less than a measure.
+    # At 2, MTP heads on random tokens at temperature 1.0 drafted 5-row trees for about 7
+    # rounds a sequence, and checked for about 12 more, before the guess wore off (0.94x).
+    guess_strength: float = 1.0
     decay: float = 0.95  # per round: older evidence fades, so estimates follow the text
     cost_decay: float = 0.9  # per round: how fast the machine's speed factor is re-estimated
     margin: float = 1.02  # speculate only when predicted to be this much faster
@@ -50,9 +57,14 @@ class AdaptiveGamma:
 
     Estimates: α_i = (accepted_i + s·prior_i) / (reached_i + s), where reached_i counts the
     rounds that drafted position i with every earlier draft accepted, and both counts decay
-    by `decay` per update. A drafter that proposes fewer tokens than asked (n-gram lookup
-    finding no match) counts as rejected at the first missing position, and the length it
-    proposes is tracked apart, since a shorter proposal is a cheaper verify. Costs: the cost
+    by `decay` per update. Under sampling accepted_i adds up the probabilities that the
+    reached drafts were accepted (RoundRecord.accept_probs), not the coin's outcomes: the
+    same expected value without its noise. At temperature 1.0 on random tokens, where a
+    draft is accepted one time in 25, each chance acceptance had lifted the estimate over
+    what the guard rules out, and the sequence checked again for several rounds. A drafter
+    that proposes fewer tokens than asked (n-gram lookup finding no match) counts as
+    rejected at the first missing position, and the length it proposes is tracked apart,
+    since a shorter proposal is a cheaper verify. Costs: the cost
     model's T(n) and D(k), times speed factors re-estimated from the rounds' own timings, so
     a busier machine moves target and draft costs alike.
     """
@@ -99,7 +111,10 @@ class AdaptiveGamma:
         self.plain_rounds = 0
         self.timed_drafts = 0  # drafting rounds seen by _update_speeds
         self.probe_every = settings.first_probe
-        self.long_record = [0.0, 0.0]  # first position: accepted, reached (long_decay)
+        # First position (long_decay): accepted, reached, and the accepted outcomes' squares
+        # (the same as accepted for 0/1 outcomes; less for probabilities, whose spread
+        # is smaller than a coin's).
+        self.long_record = [0.0, 0.0, 0.0]
         # Whether the round chosen last only checks that drafting pays: a probe, or a round
         # the record cannot rule out but does not predict to pay. Such a round's drafter
         # proposes its cheapest shape of that depth (a tree drafter its top path alone):
@@ -114,12 +129,15 @@ class AdaptiveGamma:
         evidence every round: text harder than the tuning prompts there is harder further
         on too). Past the profile's prior, a position's prior is the estimate of the one
         before it, so a drafter that is always right is not held back at a short γ by
-        positions it has not tried yet (0.5 before any evidence)."""
-        s = self.settings.prior_strength
+        positions it has not tried yet. Without a prior, the first position starts from
+        NEUTRAL with `guess_strength`."""
         estimates: list[float] = []
         for i, (a, r) in enumerate(zip(self.accepted, self.reached, strict=True)):
-            if i >= len(self.prior):
-                p = estimates[-1] if estimates else 0.5
+            s = self.settings.prior_strength
+            if i == 0 and not self.prior:
+                p, s = NEUTRAL, self.settings.guess_strength
+            elif i >= len(self.prior):
+                p = estimates[-1]
             elif i > 0 and self.prior[0] > 0:
                 p = min(1.0, self.prior[i] * estimates[0] / self.prior[0])
             else:
@@ -129,12 +147,18 @@ class AdaptiveGamma:
 
     def optimistic_alphas(self) -> list[float]:
         """The estimates with the first one taken over the longer record (`long_decay`) and
-        raised by `confidence` standard errors: what the evidence cannot yet rule out."""
-        s, alphas = self.settings.prior_strength, self.alphas
-        prior = self.prior[0] if self.prior else 0.5
-        rounds = self.long_record[1] + s
-        first = (self.long_record[0] + s * prior) / rounds
-        first += self.settings.confidence * (first * (1 - first) / rounds) ** 0.5
+        raised by `confidence` standard errors (of the record's own spread): what the
+        evidence cannot yet rule out."""
+        alphas = self.alphas
+        s = self.settings.prior_strength if self.prior else self.settings.guess_strength
+        prior = self.prior[0] if self.prior else NEUTRAL
+        accepted, reached, squares = self.long_record
+        rounds = reached + s
+        first = (accepted + s * prior) / rounds
+        # The record's spread, the prior's pseudo-rounds counted as 0/1 outcomes (x² = x):
+        # first · (1 - first) when every outcome is 0 or 1.
+        spread = max(0.0, (squares + s * prior) / rounds - first * first)
+        first += self.settings.confidence * (spread / rounds) ** 0.5
         return [min(1.0, first), *alphas[1:]]
 
     def current_cost(self) -> CostModel:
@@ -298,11 +322,15 @@ class AdaptiveGamma:
         tried = min(record.requested, record.drafted + 1, self.max_gamma)
         for i in range(min(tried, record.accepted + 1)):
             self.reached[i] += 1
-            self.accepted[i] += i < record.accepted
+            self.accepted[i] += _accepted_at(record, i)
         if tried:
-            keep = self.settings.long_decay
-            accepted, reached = self.long_record
-            self.long_record = [keep * accepted + (record.accepted > 0), keep * reached + 1]
+            keep, first = self.settings.long_decay, _accepted_at(record, 0)
+            accepted, reached, squares = self.long_record
+            self.long_record = [
+                keep * accepted + first,
+                keep * reached + 1,
+                keep * squares + first * first,
+            ]
 
     def _update_speeds(self, record: RoundRecord) -> None:
         keep = self.settings.cost_decay
@@ -356,6 +384,14 @@ class AdaptiveGamma:
         extra_s = max(0.0, record.draft_s - drafts_s) / round_speed
         keep, (seconds, read) = self.settings.cost_decay, self.catch_up_record
         self.catch_up_record = (keep * seconds + extra_s, keep * read + record.caught_up)
+
+
+def _accepted_at(record: RoundRecord, i: int) -> float:
+    """Reached draft position i's acceptance: its probability under sampling, where known,
+    else the outcome (a position the drafter left empty counts as rejected)."""
+    if i < len(record.accept_probs):
+        return record.accept_probs[i]
+    return float(i < record.accepted)
 
 
 class GuardedGamma(AdaptiveGamma):

@@ -130,6 +130,7 @@ class SpecDecoder:
                 RoundRecord(
                     k, proposal.depth, accepted, outcome.verified, draft_s, verify_s,
                     caught_up=catch_up if k else 0, checking=checking,
+                    accept_probs=_reached_probs(verdict, accepted, proposal.depth),
                 )
             )  # fmt: skip
             self.schedules.learn(arm, schedule)
@@ -336,6 +337,14 @@ class SpecDecoder:
         window = 4 * max(len(s) for s in config.stop_strings) + 4
         tail = self.detokenize(tokens[-window:])
         return any(s in tail for s in config.stop_strings)
+
+
+def _reached_probs(verdict: Verdict | TreeVerdict, accepted: int, depth: int) -> tuple[float, ...]:
+    """The acceptance probabilities of the draft positions a round reached (its accepted
+    drafts and the first rejected one), where the verdict knows them (sampling)."""
+    if verdict.accept_probs is None:
+        return ()
+    return tuple(verdict.accept_probs[0, : min(accepted + 1, depth)].tolist())
 
 
 def _size(nbytes: int) -> str:

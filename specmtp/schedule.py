@@ -28,6 +28,10 @@ class RoundRecord:
     verify_s: float
     caught_up: int = 0  # tokens the drafter read before drafting (drafters.drafter_catch_up)
     checking: bool = False  # a round that only checked whether drafting pays (Schedule.checking)
+    # Sampling: for each draft position the round reached (the accepted ones and the first
+    # rejected), the probability that it was accepted (Verdict.accept_probs): the
+    # outcome's expected value, without the coin's noise. Empty: the outcomes are all known.
+    accept_probs: tuple[float, ...] = ()
 
 
 class Schedule(Protocol):

@@ -22,6 +22,11 @@ class TreeVerdict:
     path_nodes: torch.Tensor  # [B, D] int64: accepted nodes, root to leaf; -1 past num_accepted
     num_accepted: torch.Tensor  # [B] int64 in 0..D
     next_tokens: torch.Tensor  # [B] int64: the recovered token, or the bonus token at a leaf
+    # [B, D] float, sampling with one-hot drafts only: at each depth the walk reached,
+    # P(some child of its node is accepted) = the target's probability of the children's
+    # tokens (0 past the walk). The expected value of each depth's outcome, without the
+    # coin's noise (verification.Verdict.accept_probs). None when greedy.
+    accept_probs: torch.Tensor | None = None
 
     def accepted_path(self, row: int = 0) -> list[int]:
         return self.path_nodes[row, : int(self.num_accepted[row])].tolist()
@@ -131,20 +136,36 @@ def verify_tree_sampling(
     position = torch.zeros(batch, dtype=torch.long, device=device)  # [B] current node
     live = torch.ones(batch, dtype=torch.bool, device=device)  # [B] still walking down
     path_nodes = torch.full((batch, tree.max_depth), -1, dtype=torch.long, device=device)
+    accept_probs = torch.zeros(batch, tree.max_depth, device=device)
     p = target_probs[:, 0]  # [B, V]
     for depth in range(tree.max_depth):
         kids = children[position]  # [B, C]
         slots = kids.clamp_min(0)  # [B, C] gatherable indices
+        tokens, valid = node_tokens.gather(1, slots), (kids >= 0) & live[:, None]
         q = None
         if draft_probs is not None:
             q = draft_probs.gather(1, slots[..., None].expand(-1, -1, vocab))  # [B, C, V]
-        choice, leftover = multi_candidate_rejection(
-            p, node_tokens.gather(1, slots), q, (kids >= 0) & live[:, None], generator
-        )
+        else:
+            accept_probs[:, depth] = _children_mass(p, tokens, valid)
+        choice, leftover = multi_candidate_rejection(p, tokens, q, valid, generator)
         live = choice >= 0
         node = slots.gather(1, choice.clamp_min(0)[:, None]).squeeze(1)  # [B]
         path_nodes[:, depth] = torch.where(live, node, -1)
         position = torch.where(live, node + 1, position)
         p = torch.where(live[:, None], target_probs[rows, position], leftover)
     next_tokens = sample(p, generator)  # [B]
-    return TreeVerdict(path_nodes, (path_nodes >= 0).sum(-1), next_tokens)
+    num_accepted = (path_nodes >= 0).sum(-1)
+    known = accept_probs if draft_probs is None else None  # sampled children: not computed
+    return TreeVerdict(path_nodes, num_accepted, next_tokens, known)
+
+
+def _children_mass(p: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """p's mass on the distinct valid tokens: with one-hot drafts, the probability that
+    sequential elimination accepts one of them (the token it emits is distributed as p,
+    and is a child exactly when one is accepted).
+    p [B, V], tokens [B, C], valid [B, C] -> [B]."""
+    earlier = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=p.device)
+    earlier = earlier.tril(-1)  # [C, C]: slot c' before slot c
+    same = (tokens[:, :, None] == tokens[:, None, :]) & valid[:, None, :] & earlier  # [B, C, C]
+    first = valid & ~same.any(-1)  # [B, C]: a valid slot whose token no earlier slot holds
+    return (p.gather(1, tokens) * first).sum(-1)

@@ -25,6 +25,11 @@ from specmtp.sampling import greedy_tokens, sample
 class Verdict:
     num_accepted: torch.Tensor  # [B] int64 in 0..k
     next_tokens: torch.Tensor  # [B] int64: the recovered token, or the bonus token if all passed
+    # [B, k] float, sampling only: P(draft i accepted | drafts before it accepted), i.e.
+    # sum_v min(p_i, q_i) (p_i(x_i) for one-hot drafts). The expected value of each
+    # accept/reject outcome, without the coin's noise: what the adaptive schedule learns α
+    # from. None when greedy (the outcome is exact there).
+    accept_probs: torch.Tensor | None = None
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -92,4 +97,7 @@ def verify_rejection_sampling(
     p_row = target_probs.gather(1, rows).squeeze(1)  # [B, V]
     q_row = q_padded.gather(1, rows).squeeze(1)  # [B, V]
     next_tokens = sample(residual(p_row, q_row), generator)  # [B]
-    return Verdict(num_accepted, next_tokens)
+    # P(x_i accepted) before x_i was drawn: sum_v min(p_i, q_i), Leviathan et al.'s β
+    # (p_i(x_i) when q_i is one-hot).
+    accept_probs = torch.minimum(target_probs[:, :k], draft_probs).sum(-1).float()  # [B, k]
+    return Verdict(num_accepted, next_tokens, accept_probs)

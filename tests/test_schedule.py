@@ -151,14 +151,17 @@ def test_adaptive_counts_a_missing_draft_as_rejected() -> None:
         schedule.update(RoundRecord(requested, drafted, accepted, drafted + 1, 0.1, 1.0))
         return schedule.alphas
 
-    # Strength 2; the prior is 0.5 at position 1, then the estimate of the position before:
-    # one accept gives (1 + 2p) / 3, one reject 2p / 3, an untried position keeps p.
-    a1 = 2 / 3
+    # Position 1: the neutral 0.5 at guess strength g (1); later positions: the estimate of
+    # the position before at strength 2: one accept gives (1 + 2p) / 3, one reject 2p / 3,
+    # an untried position keeps p.
+    g = AdaptiveSettings().guess_strength
+    a1 = (1 + g * 0.5) / (1 + g)
     a2 = (1 + 2 * a1) / 3
     assert alphas_after(4, 2, 2) == pytest.approx([a1, a2, 2 * a2 / 3, 2 * a2 / 3])
     assert alphas_after(4, 2, 2) == alphas_after(4, 4, 2)  # as if draft 3 had been wrong
     assert alphas_after(2, 2, 2) == pytest.approx([a1, a2, a2, a2])  # none missing
-    assert alphas_after(4, 0, 0) == pytest.approx([1 / 3] * 4)  # no match at all
+    missed = g * 0.5 / (1 + g)
+    assert alphas_after(4, 0, 0) == pytest.approx([missed] * 4)  # no match at all
 
 
 # --- adaptive: choices -------------------------------------------------------------------
@@ -309,6 +312,67 @@ def test_adaptive_keeps_drafting_when_a_run_of_misses_is_noise() -> None:
     recent_only = AdaptiveSettings(long_decay=AdaptiveSettings.decay, confidence=0.0)
     trapped = AdaptiveGamma(cost, max_gamma=3, prior=prior, settings=recent_only)
     assert drive(trapped, thirty_percent_after_six_misses, 100).count(0) >= 50
+
+
+def test_adaptive_learns_from_acceptance_probabilities_under_sampling() -> None:
+    """A sampled round reports each reached draft's acceptance probability; the estimates
+    add those up instead of the outcomes, and the longer record's standard error is that of
+    their own spread (a coin's, p(1 - p), for 0/1 outcomes)."""
+    settings = AdaptiveSettings()
+    s, g, z = settings.prior_strength, settings.guess_strength, settings.confidence
+    told = AdaptiveGamma(target_cost(0.1), max_gamma=3)
+    told.update(RoundRecord(3, 3, 1, 4, 0.1, 1.0, accept_probs=(0.9, 0.2)))
+    first = (0.9 + g * 0.5) / (1 + g)
+    assert told.alphas[:2] == pytest.approx([first, (0.2 + s * first) / (1 + s)])
+    spread = (0.81 + g * 0.5) / (1 + g) - first**2  # the neutral guess counted as 0/1 outcomes
+    assert told.optimistic_alphas()[0] == pytest.approx(first + z * (spread / (1 + g)) ** 0.5)
+
+    coin = AdaptiveGamma(target_cost(0.1), max_gamma=3)
+    coin.update(RoundRecord(3, 3, 0, 4, 0.1, 1.0))  # outcomes: the first draft rejected
+    first = g * 0.5 / (1 + g)
+    assert coin.alphas[0] == pytest.approx(first)
+    assert coin.optimistic_alphas()[0] == pytest.approx(
+        first + z * (first * (1 - first) / (1 + g)) ** 0.5
+    )
+
+
+def test_adaptive_drafts_less_on_acceptance_probabilities_than_on_chance_hits() -> None:
+    """Drafts accepted 4% of the time (random tokens at temperature 1.0): told the
+    probability each round, the schedule rules drafting out as if nothing were accepted; fed
+    the coin's outcomes, each chance acceptance lifts the estimate and it drafts again for
+    several rounds. Over 40 seeded sequences of 64 rounds: fewer drafting rounds."""
+    cost = CostModel((1.0, 1.06, 1.07, 1.08, 1.09), draft_per_token_s=0.05)
+
+    def drafting_rounds(told: bool, seed: int) -> int:
+        generator = torch.Generator().manual_seed(seed)
+        schedule = AdaptiveGamma(cost, max_gamma=4, timing_feedback=False)
+        drafted = 0
+        for _ in range(64):
+            k = schedule.next_gamma(4)
+            hits = (torch.rand(k, generator=generator) < 0.04).long().cumprod(0)
+            accepted = int(hits.sum())
+            probs = (0.04,) * min(accepted + 1, k) if told else ()
+            schedule.update(
+                RoundRecord(k, k, accepted, k + 1, cost.draft_s(k), cost.target_s(k + 1),
+                            accept_probs=probs)
+            )  # fmt: skip
+            drafted += k > 0
+        return drafted
+
+    told = sum(drafting_rounds(True, seed) for seed in range(40))
+    chance = sum(drafting_rounds(False, seed) for seed in range(40))
+    assert told < 0.9 * chance, (told, chance)
+
+
+def test_a_measured_prior_outweighs_the_neutral_guess() -> None:
+    """Without a measured prior the first position starts from 0.5 at `guess_strength`
+    pseudo-rounds, fewer than a profile's prior of the same value: on drafts that all miss,
+    the guess stops drafting sooner."""
+    assert AdaptiveSettings().guess_strength < AdaptiveSettings().prior_strength
+    cost = CostModel((1.0, 1.06, 1.07, 1.08, 1.09), draft_per_token_s=0.05)
+    guessed = drive(AdaptiveGamma(cost, max_gamma=4), none_accepted, 20)
+    measured = drive(AdaptiveGamma(cost, max_gamma=4, prior=(0.5,)), none_accepted, 20)
+    assert guessed.index(0) < measured.index(0), (guessed, measured)
 
 
 def test_adaptive_scales_later_priors_by_the_first_positions_evidence() -> None:
@@ -877,8 +941,9 @@ def test_the_machine_speed_carries_to_the_next_sequence(
     was timed (another process on the machine). A sequence started from the timed speed
     stores its first plain rounds' T(1) against a speed factor still near 1, and a draft
     step looks half a target step: it drafts (9 rounds here; so did every sequence, each
-    starting from speed 1). The next starts from the speed the one before left: at most one
-    drafting round while the speed factor settles, and none after."""
+    starting from speed 1). The next starts from the speed the one before left: at most two
+    drafting rounds while the speed factor settles (its drafts all accepted, the estimate
+    leaves the neutral guess quickly), and none after."""
     clock = FakeTime()
     dear = ClockedDrafter(target, clock, VERIFY_S)
     decoder = decode_on_fake_clock(monkeypatch, target, dear, clock)
@@ -889,7 +954,7 @@ def test_the_machine_speed_carries_to_the_next_sequence(
     assert slowed.tokens == reference and slowed.stats.requested_gammas.get(3, 0) > 0
     assert decoder.schedules.machine_speed > 1.5  # the speed factor on its way to 2
     after = decoder.generate(PROMPT, config)
-    assert after.tokens == reference and after.stats.requested_gammas.get(3, 0) <= 1
+    assert after.tokens == reference and after.stats.requested_gammas.get(3, 0) <= 2
     settled = decoder.generate(PROMPT, config)
     assert settled.tokens == reference and set(settled.stats.requested_gammas) == {0}
     assert list(decoder.schedules.learned_draft_s.values()) == [pytest.approx(VERIFY_S)]
@@ -938,6 +1003,38 @@ def test_adaptive_sampling_output_does_not_depend_on_machine_speed(
     fast, _ = sample_on_fake_clock(monkeypatch, target, seed=3, draft_per_token_s=DRAFT_S)
     slow, _ = sample_on_fake_clock(monkeypatch, target, seed=3, draft_per_token_s=3e-3)
     assert slow == fast
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_sampled_rounds_tell_the_schedule_their_acceptance_probabilities(
+    monkeypatch: pytest.MonkeyPatch, target: PreTrainedModel, temperature: float
+) -> None:
+    """In the decode loop, a sampled drafting round tells the schedule the acceptance
+    probability of every draft position it reached (its accepted drafts and the first
+    rejected one); a greedy round tells none (its outcomes are exact)."""
+    records: list[RoundRecord] = []
+    update = AdaptiveGamma.update
+
+    def spy(self: AdaptiveGamma, record: RoundRecord) -> None:
+        records.append(record)
+        update(self, record)
+
+    monkeypatch.setattr(AdaptiveGamma, "update", spy)
+    decoder = make_decoder(target, make_drafter("perturbed", target))
+    config = GenerationConfig(
+        max_new_tokens=NEW_TOKENS, gamma=3, schedule="adaptive", seed=1,
+        sampling=SamplingConfig(temperature=temperature),
+    )  # fmt: skip
+    decoder.generate(PROMPT, config)
+    drafting = [r for r in records if r.requested]
+    assert drafting and any(r.accepted for r in drafting)
+    for r in drafting:
+        if temperature == 0:
+            assert r.accept_probs == ()
+        else:
+            assert len(r.accept_probs) == min(r.accepted + 1, r.drafted)
+            assert all(0 <= p <= 1 + 1e-6 for p in r.accept_probs)
+    assert all(r.accept_probs == () for r in records if not r.requested)
 
 
 def test_adaptive_schedule_near_the_end_of_the_context() -> None:
