@@ -220,11 +220,15 @@ class AdaptiveGamma:
         at_least.append(0.0)
         return [at_least[length] - at_least[length + 1] for length in range(k + 1)]
 
-    def predicted_speedup(self, k: int, alphas: Sequence[float] | None = None) -> float:
+    def predicted_speedup(
+        self, k: int, alphas: Sequence[float] | None = None, cost: CostModel | None = None
+    ) -> float:
         """E(k) · T(1) / (D(k) + E[T(verified)]), the verify size following the proposal
         length (a missing draft already counts as rejected in E(k)); E(k) under the
-        current estimates unless `alphas` are given."""
-        cost = self.current_cost()
+        current estimates unless `alphas` are given, at current_cost() unless `cost` is
+        (a round's choice prices every k at one cost: building it was most of the 190 µs
+        that choosing among 8 took, every round)."""
+        cost = self.current_cost() if cost is None else cost
         lengths = self.proposal_lengths(k)
         verify = sum(
             p * cost.target_s(self.verified.get(length, length + 1))
@@ -267,11 +271,11 @@ class AdaptiveGamma:
         probe's to repay: one accepted probe does not take the estimates to a longer γ, and
         a longer γ that could repay it had the target drafting for itself probe three
         times a sequence, with drafts of 1 that could not (0.92x at temperature 0.7)."""
-        margin = self.settings.margin
-        if all(self.predicted_speedup(k, [1.0] * k) < margin for k in choices):
+        margin, cost = self.settings.margin, self.current_cost()
+        if all(self.predicted_speedup(k, [1.0] * k, cost) < margin for k in choices):
             return False
         probe = choices[0]
-        return self.repays(self.predicted_speedup(probe, [1.0] * probe), catch_up, left)
+        return self.repays(self.predicted_speedup(probe, [1.0] * probe, cost), catch_up, left)
 
     def paying_gamma(self, choices: range) -> int:
         """The choice predicted to draft fastest, if it beats plain decoding by the margin;
@@ -281,11 +285,12 @@ class AdaptiveGamma:
 
     def paying_choice(self, choices: range) -> tuple[int, bool]:
         """paying_gamma's choice, and whether it only checks (not ruled out, not predicted)."""
-        margin = self.settings.margin
-        best = max(choices, key=lambda k: (self.predicted_speedup(k), -k))
-        if self.predicted_speedup(best) >= margin:
+        margin, cost, alphas = self.settings.margin, self.current_cost(), self.alphas
+        speedups = {k: self.predicted_speedup(k, alphas, cost) for k in choices}
+        best = max(choices, key=lambda k: (speedups[k], -k))
+        if speedups[best] >= margin:
             return best, False
-        if self.predicted_speedup(choices[0], self.optimistic_alphas()) >= margin:
+        if self.predicted_speedup(choices[0], self.optimistic_alphas(), cost) >= margin:
             return choices[0], True
         return 0, False
 
