@@ -34,6 +34,9 @@ from specmtp.timings import use_stored_kernel_plan
 
 WARMUP_TOKENS = 8  # a warm-up only needs to touch every code path once
 PLAIN_STEP_TOLERANCE = 0.1  # warn when T(1) and ar's own steps differ by more than this
+# warn when a method's target forwards ran this much faster or slower than ar's (see
+# bench_results: target_pace)
+PACE_TOLERANCE = 0.15
 
 Log = Callable[[str], None]
 
@@ -166,6 +169,27 @@ def plain_step_check(methods: dict[str, MethodResult]) -> dict[str, float | None
     return {"timed_t1_s": timed, "ar_step_s": in_runs, "ratio": ratio}
 
 
+def uneven_pace(methods: dict[str, MethodResult]) -> list[str]:
+    """One warning per method whose target forwards ran at another pace than `ar`'s: mostly
+    the machine's speed moving between them (other processes), which moves that speedup by
+    about as much; or that method's forwards costing more in its loop than when timed."""
+    plain = methods.get(BASELINE)
+    base = None if plain is None else plain.target_pace
+    if not base:
+        return []
+    warnings = []
+    for name, m in methods.items():
+        pace = m.target_pace
+        if pace is not None and abs(pace / base - 1) > PACE_TOLERANCE:
+            warnings.append(
+                f"warning: {name}'s target forwards ran at {pace:.2f}x their timed T(n), ar's "
+                f"at {base:.2f}x: if the machine's load changed between them, its speedup is "
+                f"off by about {abs(base / pace - 1):.0%}; a rerun tells that from forwards "
+                "that cost more in its loop than timed"
+            )
+    return warnings
+
+
 def summarize(
     runners: dict[str, Runner],
     runs: dict[str, list[PromptRun]],
@@ -292,6 +316,8 @@ def _pass(
             f"{1e3 * check['ar_step_s']:.1f} ms in its runs: every efficiency is off by "
             f"about {abs(check['ratio'] - 1):.0%}"
         )
+    for warning in uneven_pace(methods):
+        log(warning)
     return methods
 
 

@@ -17,6 +17,11 @@ Definitions (per method, over all prompts):
 - plain_step: T(1) as timed for the cost model against `ar`'s mean forward time per step in
   its timed runs; a ratio far from 1 (machine load changed, or the typical context's step
   is not the runs' average) moves every efficiency by about as much.
+- target_pace: the method's target forwards in its timed runs against the same forwards at
+  T(n) as timed after the runs (1.0: the machine ran as fast during its runs as then). Every
+  method's forwards are bound by the same memory, so their paces should agree; a method
+  whose pace differs from `ar`'s ran on a faster or slower machine than the baseline did
+  (load from other processes), and its speedup is off by about the ratio of the two.
 - ttft_s / tpot_s: mean time to the first new token, and per new token after it.
 - peak_rss_bytes: the process's resident memory, highest sample while the method ran (one
   process holds every method's models, so compare differences, not totals).
@@ -106,6 +111,14 @@ def predicted_speedup(runs: Sequence[PromptRun], cost: CostModel, plain_step_s: 
     return plain_s / spec_s
 
 
+def target_pace(runs: Sequence[PromptRun], cost: CostModel) -> float | None:
+    """Seconds of target forwards in these runs / the same forwards at the timed T(n)."""
+    if not all(r.has_rounds for r in runs):
+        return None
+    timed = sum(count * cost.target_s(n) for r in runs for n, count in r.stats.verify_sizes.items())
+    return sum(r.stats.verify_s for r in runs) / timed if timed else None
+
+
 @dataclass(frozen=True)
 class MethodResult:
     name: str
@@ -137,6 +150,10 @@ class MethodResult:
         if not all(r.has_rounds for r in self.runs):
             return None
         return predicted_speedup(self.runs, self.cost, self.plain_step_s)
+
+    @property
+    def target_pace(self) -> float | None:
+        return None if self.cost is None else target_pace(self.runs, self.cost)
 
     @property
     def efficiency(self) -> float | None:
@@ -177,6 +194,7 @@ class MethodResult:
             "acceptance_per_position": [rounded(a) for a in acceptance_per_position(self.runs)],
             "predicted_speedup": rounded(self.predicted_speedup),
             "efficiency": rounded(self.efficiency),
+            "target_pace": rounded(self.target_pace),
             "ttft_s": round(statistics.fmean(s.first_token_s for s in stats), 4),
             "tpot_s": round(statistics.fmean(s.tpot_s for s in stats), 5),
             "peak_rss_bytes": max(s.peak_rss_bytes for s in stats) or None,

@@ -291,6 +291,17 @@ def _cost_table(result: dict[str, Any]) -> str:
             f"steps in its timed runs: {in_runs * 1e3:.1f} ms (ratio {timed / in_runs:.2f}). "
             "Efficiencies move with this ratio."
         )
+    paces = {
+        name: num(as_dict(m).get("target_pace"))
+        for name, m in as_dict(result.get("methods")).items()
+    }
+    if any(paces.values()):
+        listed = ", ".join(f"{name} {pace:.2f}" for name, pace in paces.items() if pace)
+        text += (
+            "\n\nTarget pace (each method's target forwards in its runs over the same forwards "
+            f"at the timed T(n); a method far from `ar`'s ran on a faster or slower machine): "
+            f"{listed}."
+        )
     return text
 
 

@@ -148,6 +148,10 @@ def test_cost_model_prediction_for_ours_only(greedy: tuple[str, str, dict[str, A
     check = report["plain_step"]
     assert check["ar_step_s"] == pytest.approx(methods["ar"]["verify_s"] / ar_rounds, rel=1e-2)
     assert check["ratio"] == pytest.approx(check["timed_t1_s"] / check["ar_step_s"], rel=1e-3)
+    # ar's pace: its own steps over that T(1); ours have one too, Hugging Face's none
+    assert methods["ar"]["target_pace"] == pytest.approx(1 / check["ratio"], rel=1e-2)
+    assert all(methods[name]["target_pace"] > 0 for name in OURS)
+    assert all(methods[name]["target_pace"] is None for name in HF)
 
 
 def test_latency_and_memory(greedy: tuple[str, str, dict[str, Any]]) -> None:

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specmtp.bench import summarize
+from specmtp.bench import summarize, uneven_pace
 from specmtp.bench_results import (
     BASELINE,
     MethodResult,
@@ -26,6 +26,7 @@ from specmtp.bench_results import (
     mean_accepted,
     predicted_speedup,
     table,
+    target_pace,
 )
 from specmtp.costmodel import CostModel
 from specmtp.stats import GenerationStats
@@ -254,3 +255,42 @@ def test_table_has_a_row_per_method(runs: list[PromptRun], baseline: list[Prompt
     assert m[3] == f"{methods['m'].speedup:.2f}x"
     assert m[4] == f"{10 / 7:.2f}"
     assert m[5] == "1"  # mismatches
+
+
+def _paced(runs: list[PromptRun], cost: CostModel, pace: float) -> list[PromptRun]:
+    """The runs, each one's target forwards taking `pace` times their T(n) under `cost`."""
+    for run in runs:
+        timed = sum(count * cost.target_s(n) for n, count in run.stats.verify_sizes.items())
+        run.stats.verify_s = pace * timed
+    return runs
+
+
+def test_target_pace_against_a_hand_count(runs: list[PromptRun]) -> None:
+    # m verified 3 tokens in 5 rounds, 1 in one, 2 in one: 5 x 1.5 + 1 + 1.25 = 9.75 s timed
+    runs[0].stats.verify_s, runs[1].stats.verify_s, runs[2].stats.verify_s = 6.0, 5.0, 8.5
+    assert target_pace(runs, COST) == pytest.approx(19.5 / 9.75)
+    assert method(runs, runs, cost=COST).to_dict()["target_pace"] == pytest.approx(2.0)
+    assert method(runs, runs).target_pace is None  # no cost model timed
+    runs[0].has_rounds = False
+    assert target_pace(runs, COST) is None
+
+
+@pytest.mark.parametrize(("pace", "warned"), [(1.1, False), (0.9, False), (1.4, True)])
+def test_a_method_whose_forwards_ran_at_another_pace_than_ars_is_flagged(
+    runs: list[PromptRun], baseline: list[PromptRun], pace: float, warned: bool
+) -> None:
+    ar_cost = CostModel((PLAIN_STEP_S,))
+    methods = {
+        BASELINE: MethodResult(BASELINE, "plain", _paced(baseline, ar_cost, 2.0), baseline,
+                               greedy=True, cost=ar_cost),
+        "m": method(_paced(runs, COST, 2.0 * pace), baseline, cost=COST),
+        "hf": MethodResult("hf", "fixed:4", baseline, baseline, greedy=True),
+    }  # fmt: skip
+    assert methods[BASELINE].target_pace == pytest.approx(2.0)
+    assert methods["m"].target_pace == pytest.approx(2.0 * pace)
+    warnings = uneven_pace(methods)
+    assert len(warnings) == warned
+    if warned:
+        assert warnings[0].startswith("warning: m's target forwards ran at 2.80x")
+        assert "ar's at 2.00x" in warnings[0] and "off by about 29%" in warnings[0]
+    assert uneven_pace({"m": methods["m"]}) == []  # no baseline: nothing to compare

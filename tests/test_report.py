@@ -108,6 +108,7 @@ def full_result() -> dict[str, Any]:
                 predicted_speedup=1.31,
                 draft_s=1.5,
                 verify_s=3.0,
+                target_pace=1.25,
                 schedule="fixed:4",
             ),
             "ngram": method(
@@ -291,6 +292,7 @@ def test_sweep_tables(result: dict[str, Any], tmp_path: Path) -> None:
     assert table_row(cost, "4") == ["4", "25.00", "1.25"]
     assert "timed for the cost model: 20.0 ms; `ar`'s steps in its timed runs: 25.0 ms" in cost
     assert "(ratio 0.80)" in cost
+    assert "at the timed T(n); a method far from `ar`'s" in cost and ": mtp 1.25." in cost
 
 
 def test_tree_sweeps_are_shown_by_node_budget(result: dict[str, Any], tmp_path: Path) -> None:
