@@ -19,9 +19,10 @@ Definitions (per method, over all prompts):
   is not the runs' average) moves every efficiency by about as much.
 - target_pace: the method's target forwards in its timed runs against the same forwards at
   T(n) as timed after the runs (1.0: the machine ran as fast during its runs as then). Every
-  method's forwards are bound by the same memory, so their paces should agree; a method
-  whose pace differs from `ar`'s ran on a faster or slower machine than the baseline did
-  (load from other processes), and its speedup is off by about the ratio of the two.
+  method's forwards are bound by the same memory, so their paces should agree. A method
+  whose pace differs from `ar`'s mostly ran under other load from other processes than the
+  baseline did, and then its speedup is off by about the ratio of the two; otherwise its
+  forwards cost more in its loop than when timed.
 - ttft_s / tpot_s: mean time to the first new token, and per new token after it.
 - peak_rss_bytes: the process's resident memory, highest sample while the method ran (one
   process holds every method's models, so compare differences, not totals).

@@ -299,9 +299,8 @@ def _cost_table(result: dict[str, Any]) -> str:
         listed = ", ".join(f"{name} {pace:.2f}" for name, pace in paces.items() if pace)
         text += (
             "\n\nTarget pace (each method's target forwards in its runs over the same forwards "
-            f"at the timed T(n); one far from `ar`'s ran under other load, or its forwards cost "
-            f"more in its loop than timed): "
-            f"{listed}."
+            "at the timed T(n); one far from `ar`'s ran under other load, or its forwards cost "
+            f"more in its loop than timed): {listed}."
         )
     return text
 
