@@ -101,13 +101,17 @@ def step_in_runs(runs: Sequence[PromptRun]) -> float | None:
     return sum(r.stats.verify_s for r in runs if r.has_rounds) / rounds if rounds else None
 
 
+def timed_verify_s(stats: GenerationStats, cost: CostModel) -> float:
+    """What these rounds' target forwards take at the timed T(n)."""
+    return sum(count * cost.target_s(n) for n, count in stats.verify_sizes.items())
+
+
 def predicted_speedup(runs: Sequence[PromptRun], cost: CostModel, plain_step_s: float) -> float:
     """The cost model's speedup for these runs' rounds; `plain_step_s` is T(1) of `ar`."""
     spec_s = plain_s = 0.0
     for run in runs:
         s = run.stats
-        verify = sum(count * cost.target_s(n) for n, count in s.verify_sizes.items())
-        spec_s += s.prefill_s + s.draft_s + verify
+        spec_s += s.prefill_s + s.draft_s + timed_verify_s(s, cost)
         plain_s += s.prefill_s + s.new_tokens * plain_step_s
     return plain_s / spec_s
 
@@ -116,7 +120,7 @@ def target_pace(runs: Sequence[PromptRun], cost: CostModel) -> float | None:
     """Seconds of target forwards in these runs / the same forwards at the timed T(n)."""
     if not all(r.has_rounds for r in runs):
         return None
-    timed = sum(count * cost.target_s(n) for r in runs for n, count in r.stats.verify_sizes.items())
+    timed = sum(timed_verify_s(r.stats, cost) for r in runs)
     return sum(r.stats.verify_s for r in runs) / timed if timed else None
 
 

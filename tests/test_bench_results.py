@@ -27,6 +27,7 @@ from specmtp.bench_results import (
     predicted_speedup,
     table,
     target_pace,
+    timed_verify_s,
 )
 from specmtp.costmodel import CostModel
 from specmtp.stats import GenerationStats
@@ -260,8 +261,7 @@ def test_table_has_a_row_per_method(runs: list[PromptRun], baseline: list[Prompt
 def _paced(runs: list[PromptRun], cost: CostModel, pace: float) -> list[PromptRun]:
     """The runs, each one's target forwards taking `pace` times their T(n) under `cost`."""
     for run in runs:
-        timed = sum(count * cost.target_s(n) for n, count in run.stats.verify_sizes.items())
-        run.stats.verify_s = pace * timed
+        run.stats.verify_s = pace * timed_verify_s(run.stats, cost)
     return runs
 
 
