@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from huggingface_hub.utils import logging as hub_logging
 from transformers.utils import logging as hf_logging
 
 from specmtp.api import (
@@ -270,10 +271,12 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def _quiet_libraries() -> None:
-    """Keep transformers' progress bars, info logs and warnings off the terminal."""
+    """Keep transformers' and the Hub client's progress bars, info logs and warnings off the
+    terminal (the Hub client logs each failed request before the error we report)."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     hf_logging.set_verbosity_error()
+    hub_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", module=r"transformers(\.|$)")
 

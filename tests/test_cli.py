@@ -184,6 +184,23 @@ def test_an_output_folder_that_cannot_be_made_fails_in_one_line(
     assert_one_line_error(code, err, contains=str(out))
 
 
+def test_the_hub_clients_failed_requests_stay_off_the_terminal() -> None:
+    """Loading a name that is not on disk asks the Hub, whose client logs every failed
+    request (and each retry) before the one-line error; the CLI keeps those logs off the
+    terminal. In a fresh process: the client's log handler holds the stderr of its time."""
+    script = (
+        "from huggingface_hub.utils import logging\n"
+        "from specmtp.cli import main\n"
+        "code = main(['generate', ''])\n"  # any run quiets the libraries
+        "logging.get_logger('huggingface_hub.utils._http').warning('HEAD failed, retrying')\n"
+        "raise SystemExit(code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert_one_line_error(done.returncode, done.stderr, contains="empty")
+
+
 @pytest.mark.parametrize("prompt", ["", "   \n"])
 def test_empty_prompt(capfd: pytest.CaptureFixture[str], prompt: str) -> None:
     code, _, err = run_cli(capfd, "generate", prompt)
