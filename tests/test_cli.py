@@ -191,14 +191,14 @@ def test_the_hub_clients_failed_requests_stay_off_the_terminal() -> None:
     script = (
         "from huggingface_hub.utils import logging\n"
         "from specmtp.cli import main\n"
-        "code = main(['generate', ''])\n"  # any run quiets the libraries
+        "code = main(['generate', 'hi', '--max-new-tokens', '0'])\n"  # any run quiets them
         "logging.get_logger('huggingface_hub.utils._http').warning('HEAD failed, retrying')\n"
         "raise SystemExit(code)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
     )
-    assert_one_line_error(done.returncode, done.stderr, contains="empty")
+    assert_one_line_error(done.returncode, done.stderr, contains="max-new-tokens")
 
 
 @pytest.mark.parametrize("prompt", ["", "   \n"])
