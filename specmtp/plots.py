@@ -6,7 +6,8 @@ every figure is a `Figure` on its own Agg canvas: no pyplot state, no display ne
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,48 @@ if TYPE_CHECKING:
 DPI = 120
 PREDICTED = {"linestyle": "--", "marker": "o"}
 MEASURED = {"linestyle": "-", "marker": "s"}
+SLANT_ABOVE = 12  # axis labels with a line longer than this many characters are slanted
+LABEL_LINE = 30  # a label's lines are broken at a spec's separators to about this length
+# A path or Hub id inside a method's name: up to the separators of drafter specs.
+_PATH = re.compile(r"[^\s:+|#@]*/[^\s:+|#@]*")
+_BEFORE_SEPARATOR = re.compile(r"(?=[:+|#@])")
+
+
+def plot_labels(names: Sequence[str]) -> dict[str, str]:
+    """Short names for the plots' legends and axes: each path (or Hub id) in a method's name
+    cut to its last components, as few as keep the names apart. A draft given as
+    `/root/.cache/.../qwen2.5-coder-0.5b-instruct-q4_k_m.gguf#int8@auto` would otherwise
+    squeeze the axes to nothing; the report's tables keep the full names. A label still
+    longer than LABEL_LINE is broken into lines before its options (`#int8`, `@auto` ...)."""
+    unique = list(dict.fromkeys(names))
+    depth = 1
+    while True:
+        labels = {n: _shortened(n, depth) for n in unique}
+        if len(set(labels.values())) == len(unique) or all(labels[n] == n for n in unique):
+            return {n: _broken(label) for n, label in labels.items()}
+        depth += 1
+
+
+def _shortened(name: str, depth: int) -> str:
+    return _PATH.sub(lambda found: _last_parts(found.group(), depth), name)
+
+
+def _broken(label: str) -> str:
+    lines = [""]
+    for piece in _BEFORE_SEPARATOR.split(label):
+        if lines[-1] and len(lines[-1]) + len(piece) > LABEL_LINE:
+            lines.append("")
+        lines[-1] += piece
+    return "\n".join(lines)
+
+
+def _widest(labels: Iterable[str]) -> int:
+    return max((len(line) for label in labels for line in label.splitlines()), default=0)
+
+
+def _last_parts(path: str, depth: int) -> str:
+    parts = path.rstrip("/").split("/")
+    return path if depth >= len(parts) else "/".join(parts[-depth:])
 
 
 # ---- plots: each returns the path it wrote, or None when it had no data to draw
@@ -84,6 +127,15 @@ def _speedup_vs_gamma_axes(ax: Axes) -> None:
     ax.set_title(f"Speedup vs {GAMMA}")
 
 
+def _long(labels: Iterable[str]) -> bool:
+    return _widest(labels) > SLANT_ABOVE
+
+
+def _legend_width(labels: Iterable[str]) -> float:
+    """Inches a legend beside the axes takes, by its longest line (small font)."""
+    return 0.8 + 0.075 * _widest(labels)
+
+
 def _colors(methods: Sequence[str]) -> dict[str, str]:
     """One colour per method, by first appearance, so a method keeps its colour across the
     plots of a report."""
@@ -97,33 +149,36 @@ def _plot_groups(methods: dict[str, dict[str, Any]], path: Path) -> Path | None:
     series = {n: s for n, s in series.items() if any(v is not None for v in s)}
     if not series:
         return None
-    fig, (ax,) = _figure(max(6.0, 1.1 * len(groups) * max(1, len(series) / 2)), 4.0)
+    labels = plot_labels(list(methods))
+    bars_width = max(4.5, 1.1 * len(groups) * max(1, len(series) / 2))
+    fig, (ax,) = _figure(bars_width + _legend_width(labels.values()), 4.0)
     width = 0.8 / len(series)
     for i, (name, values) in enumerate(series.items()):
         offset = (i - (len(series) - 1) / 2) * width
         bars = [(g + offset, v) for g, v in enumerate(values) if v is not None]
-        ax.bar(*zip(*bars, strict=True), width, label=name, color=colors[name])
-    _unit_line(ax, f"{baseline} (1.0x)")
-    slanted = {"rotation": 30, "ha": "right"} if len(groups) > 4 else {}
+        ax.bar(*zip(*bars, strict=True), width, label=labels[name], color=colors[name])
+    _unit_line(ax, f"{labels[baseline]} (1.0x)")
+    slanted = {"rotation": 30, "ha": "right"} if len(groups) > 4 or _long(groups) else {}
     ax.set_xticks(range(len(groups)), groups, **slanted)
-    ax.set(ylabel=f"speedup over {baseline}", title="Speedup by prompt group")
+    ax.set(ylabel=f"speedup over {labels[baseline]}", title="Speedup by prompt group")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     return _save(fig, path)
 
 
 def _plot_acceptance(methods: dict[str, dict[str, Any]], path: Path) -> Path | None:
-    fig, (ax,) = _figure(6.5, 4.0)
+    labels = plot_labels(list(methods))
+    fig, (ax,) = _figure(4.5 + _legend_width(labels.values()), 4.0)
     drawn, colors = False, _colors(methods)
     for name, m in methods.items():
         rates = as_list(m.get("acceptance_per_position"))
         positions = range(1, len(rates) + 1)
-        drawn |= _line(ax, positions, rates, marker="o", label=name, color=colors[name])
+        drawn |= _line(ax, positions, rates, marker="o", label=labels[name], color=colors[name])
     if not drawn:
         return None
     ax.set(xlabel="draft position", ylabel="P(accepted | drafted)", ylim=(0, 1.05))
     ax.set_title("Acceptance per draft position")
     _integer_ticks(ax)
-    ax.legend(fontsize="small")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     return _save(fig, path)
 
 
@@ -135,6 +190,7 @@ def _plot_gamma(result: dict[str, Any], path: Path) -> Path | None:
     trees = {n: ps for n, ps in sweep.items() if any("budget" in p for p in ps)}
     chains = {n: ps for n, ps in sweep.items() if n not in trees}
     colors = _colors([*methods_of(result), *sweep])
+    labels = plot_labels(list(sweep))
     panels = [(chains, "gamma"), (trees, "budget")]
     panels = [(group, key) for group, key in panels if group]
     if not panels:
@@ -146,7 +202,7 @@ def _plot_gamma(result: dict[str, Any], path: Path) -> Path | None:
             xs = [p.get(x_key) for p in points]
             for key, style in (("predicted", PREDICTED), ("measured", MEASURED)):
                 values = [p.get(f"{key}_speedup") for p in points]
-                label = f"{name} {key}"
+                label = f"{labels[name]} {key}"
                 drawn[ax] |= _line(ax, xs, values, color=colors[name], label=label, **style)
         _speedup_vs_gamma_axes(ax)
         if x_key == "budget":
@@ -158,7 +214,7 @@ def _plot_gamma(result: dict[str, Any], path: Path) -> Path | None:
 def _plot_context(result: dict[str, Any], path: Path) -> Path | None:
     points = [as_dict(p) for p in as_list(result.get("context_sweep"))]
     names = list(dict.fromkeys(n for p in points for n in as_dict(p.get("methods"))))
-    colors = _colors([*methods_of(result), *names])
+    colors, labels = _colors([*methods_of(result), *names]), plot_labels(names)
     fig, (left, right) = _figure(11.0, 4.0, 2)
     xs = [p.get("context_tokens") for p in points]
     drawn = {left: False, right: False}
@@ -166,7 +222,7 @@ def _plot_context(result: dict[str, Any], path: Path) -> Path | None:
         per_point = [as_dict(as_dict(p.get("methods")).get(name)) for p in points]
         for ax, key, scale in ((left, "speedup", 1.0), (right, "kv_cache_bytes", 1 / MIB)):
             ys = [scaled(m.get(key), scale) for m in per_point]
-            drawn[ax] |= _line(ax, xs, ys, marker="o", label=name, color=colors[name])
+            drawn[ax] |= _line(ax, xs, ys, marker="o", label=labels[name], color=colors[name])
     if not any(drawn.values()):
         return None
     _unit_line(left)
@@ -189,12 +245,15 @@ def _plot_time_split(methods: dict[str, dict[str, Any]], path: Path) -> Path | N
     split = {n: parts for n, parts in split.items() if any(t is not None for t in parts)}
     if not split:
         return None
-    fig, (ax,) = _figure(max(5.0, 1.2 * len(split) + 2), 4.0)
+    names = plot_labels(list(split))
+    fig, (ax,) = _figure(max(5.0, 1.2 * len(split) + 2), 4.0 + 0.06 * _widest(names.values()))
     bottom = [0.0] * len(split)
     for i, (_, label, color) in enumerate(TIME_PARTS):
         heights = [(parts[i] or 0.0) for parts in split.values()]
-        ax.bar(list(split), heights, 0.6, bottom=bottom, label=label, color=color)
+        ax.bar(range(len(split)), heights, 0.6, bottom=bottom, label=label, color=color)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    slanted = {"rotation": 30, "ha": "right"} if _long(names.values()) else {}
+    ax.set_xticks(range(len(split)), [names[n] for n in split], **slanted)
     ax.set(ylabel="seconds, summed over prompts", title="Where the time goes")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     return _save(fig, path)
@@ -222,7 +281,11 @@ def plot_tune(profile: dict[str, Any], path: Path) -> Path:
         _plot_pair_tune(profile, left, right)
     else:
         _plot_chain_tune(profile, left, right)
-    fig.suptitle(f"target {profile.get('target', '?')}, draft {profile.get('draft', '?')}")
+    target, draft = (str(profile.get(key, "?")) for key in ("target", "draft"))
+    short = (
+        plot_labels([target, draft]) if target != draft else {target: plot_labels([target])[target]}
+    )
+    fig.suptitle(f"target {short[target]}, draft {short[draft]}")
     path.parent.mkdir(parents=True, exist_ok=True)
     return _save(fig, path)
 

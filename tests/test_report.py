@@ -5,12 +5,13 @@ from __future__ import annotations
 import copy
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from specmtp.plots import plot_tune
+from specmtp.plots import LABEL_LINE, plot_labels, plot_tune
 from specmtp.report import markdown_table, render_markdown, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -371,6 +372,54 @@ def test_partial_data_keeps_what_is_there(result: dict[str, Any], tmp_path: Path
 def test_render_markdown_without_images(result: dict[str, Any]) -> None:
     text = render_markdown(result)
     assert "![" not in text and "## Speedup by group" in text
+
+
+def test_plot_labels_cut_paths_and_keep_methods_apart() -> None:
+    draft = "/root/.cache/specmtp/qwen2.5-coder/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    names = ["ar", f"{draft}#int8@auto", f"ngram+{draft}@3", "Org/Small-Model@2", "mtp@1"]
+    labels = plot_labels(names)
+    flat = {n: label.replace("\n", "") for n, label in labels.items()}
+    assert flat == {
+        "ar": "ar",
+        f"{draft}#int8@auto": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf#int8@auto",
+        f"ngram+{draft}@3": "ngram+qwen2.5-coder-0.5b-instruct-q4_k_m.gguf@3",
+        "Org/Small-Model@2": "Small-Model@2",
+        "mtp@1": "mtp@1",
+    }
+    # broken into lines before an option, never inside a name
+    assert labels[f"{draft}#int8@auto"] == "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf\n#int8@auto"
+    spec = "ngram+Org/Small-Model#int8#nodes=6#min-p=0.2@auto"
+    lines = plot_labels([spec])[spec].splitlines()
+    assert "".join(lines) == "ngram+Small-Model#int8#nodes=6#min-p=0.2@auto"
+    assert len(lines) == 2 and all(len(line) <= LABEL_LINE for line in lines)
+    # heads of two runs with the same folder name keep one more component each
+    heads = ["mtp:/runs/a/heads@3", "mtp:/runs/b/heads@3"]
+    assert plot_labels(heads) == {heads[0]: "mtp:a/heads@3", heads[1]: "mtp:b/heads@3"}
+    same = ["mtp:/x/heads@3", "mtp:x/heads@3"]  # apart only by the leading slash
+    assert len(set(plot_labels(same).values())) == 2
+
+
+def test_long_method_names_keep_the_plots_readable(tmp_path: Path) -> None:
+    """A draft given by its absolute path: the plots take short labels, so matplotlib's
+    layout does not collapse (it warned and drew unreadable axes before)."""
+    draft = "/root/.cache/specmtp/some-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    long = {
+        f"{draft}#int8#nodes={n}@auto": m
+        for n, m in (
+            (6, method(44.8, 1.12, 1.8, acceptance_per_position=[0.9, 0.7], draft_s=2.0)),
+            (10, method(42.0, 1.05, 1.7, acceptance_per_position=[0.8, 0.6], draft_s=2.5)),
+            (16, method(39.0, 0.98, 1.2, acceptance_per_position=[0.7, 0.5], draft_s=1.0)),
+        )
+    }  # fmt: skip
+    result = {"methods": {"ar": method(40.0, 1.0, 1.0), **long}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = write_report(result, tmp_path)
+    pngs = sorted(p.name for p in paths if p.suffix == ".png")
+    assert pngs == ["acceptance_per_position.png", "speedup_by_group.png", "time_split.png"]
+    for path in paths[2:]:
+        assert_png(path)
+    assert "/root/.cache/specmtp/some-models/" in (tmp_path / "report.md").read_text()
 
 
 def test_plot_tune_writes_a_png(tmp_path: Path) -> None:
