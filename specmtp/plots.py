@@ -282,10 +282,8 @@ def plot_tune(profile: dict[str, Any], path: Path) -> Path:
     else:
         _plot_chain_tune(profile, left, right)
     target, draft = (str(profile.get(key, "?")) for key in ("target", "draft"))
-    short = (
-        plot_labels([target, draft]) if target != draft else {target: plot_labels([target])[target]}
-    )
-    fig.suptitle(f"target {short[target]}, draft {short[draft]}")
+    short = {n: label.replace("\n", "") for n, label in plot_labels([target, draft]).items()}
+    fig.suptitle(f"target {short[target]}, draft {short[draft]}")  # one line: the width is there
     path.parent.mkdir(parents=True, exist_ok=True)
     return _save(fig, path)
 
