@@ -12,7 +12,8 @@ top-1 on the held-out answers, teacher-forced, which is what greedy acceptance c
     python scripts/draft_finetune_probe.py --draft ~/.cache/specmtp/qwen2.5-coder-0.5b-... \
         --cache ~/.cache/specmtp/runs/qwen15-data --layers 4 --steps 60 --lr 1e-5
 
-Used in docs/draft-models.md ("Fine-tuning the 0.5B draft on the 1.5B's answers").
+Used in docs/draft-models.md ("Wider draft trees, and the draft fine-tuned on the 1.5B's
+answers").
 """
 
 from __future__ import annotations
