@@ -25,6 +25,7 @@ from specmtp.bench_results import BASELINE, MethodResult, PromptRun, step_in_run
 from specmtp.bench_runners import Runner, SpecRunner, build_runner, verify_rows
 from specmtp.config import GenerationConfig
 from specmtp.costmodel import CostModel, measure_verify_costs
+from specmtp.drafter_specs import sharing_draft_models
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import KernelPlan, measure_kernel_plan, tuned_linear_enabled
 from specmtp.models import DTYPES, LoadedModel, load_model
@@ -363,9 +364,10 @@ def run_bench(config: BenchConfig, *, log: Log = log_to_stderr) -> BenchResult:
     if config.contexts and sum(p.text is not None for p in prompts) < 2:
         raise SpecMTPError("a context sweep needs at least 2 text prompts to build documents from")
     runners: dict[str, Runner] = {}
-    for spec in config.method_names:
-        log(f"preparing {spec}")
-        runners[spec] = build_runner(spec, target, config.generation, config.default_gamma)
+    with sharing_draft_models():  # methods drafting with one model share its weights
+        for spec in config.method_names:
+            log(f"preparing {spec}")
+            runners[spec] = build_runner(spec, target, config.generation, config.default_gamma)
     plain = runners[BASELINE]
     assert isinstance(plain, SpecRunner)
     ids = [_encode(plain.gen, p) for p in prompts]

@@ -26,11 +26,12 @@ from typing import Any, Protocol
 from specmtp.api import SpecGenerator, eos_token_ids, gamma_settings, reads_profile
 from specmtp.bench_results import BASELINE
 from specmtp.config import GenerationConfig
+from specmtp.drafter_specs import load_draft_model
 from specmtp.drafters import has_arms
 from specmtp.errors import SpecMTPError
 from specmtp.hf_baselines import HFGenerator, HFRun, HFSettings, hf_default_assisted
 from specmtp.kernels import stock_kernels
-from specmtp.models import LoadedModel, dtype_name, load_model
+from specmtp.models import LoadedModel, dtype_name
 from specmtp.profile import Profile, find_profile
 from specmtp.stats import GenerationStats, resident_bytes
 
@@ -162,7 +163,8 @@ def _hf_runner(name: str, gamma: str, target: LoadedModel, *, gamma_given: bool)
     if method == "hf-assisted":
         if not argument:
             raise SpecMTPError("hf-assisted needs its assistant: hf-assisted:MODEL")
-        assistant = load_model(argument, dtype=target.model.dtype).model
+        # The same weights as a `--draft` of this model in its plain form, if the bench has one.
+        assistant = load_draft_model(argument, dtype=target.model.dtype, form=(None, False)).model
         return HFRunner(HFGenerator(target.model, settings=settings, assistant=assistant,
                                     eos_token_ids=eos), schedule)  # fmt: skip
     if method == "hf-prompt-lookup":

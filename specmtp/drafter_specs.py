@@ -3,7 +3,9 @@ user draft models (with `#vocab=N` and `#heads=DIR`), and lookup-first pairs."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -30,7 +32,12 @@ from specmtp.errors import SpecMTPError
 from specmtp.heads import SequentialMTP
 from specmtp.heads_io import load_heads, shipped_heads_dir
 from specmtp.int8 import INT8, split_int8, use_int8_products
-from specmtp.kernels import tuned_linear_enabled, use_tuned_linear, without_packing
+from specmtp.kernels import (
+    packing_allowed,
+    tuned_linear_enabled,
+    use_tuned_linear,
+    without_packing,
+)
 from specmtp.merged_drafter import MergedDrafter
 from specmtp.models import LoadedModel, load_model
 from specmtp.mtp_drafter import MTPDrafter
@@ -100,12 +107,44 @@ def build_drafter(
     # An int8 drafter's products all become int8: packing its weights first would only
     # hold them twice for a while (peak memory).
     with without_packing() if int8 else nullcontext():
-        drafter, vocab = build_model_based_drafter(spec, target, dtype=dtype)
+        drafter, vocab = build_model_based_drafter(spec, target, dtype=dtype, int8=int8)
     return (use_int8_drafter(drafter, spec) if int8 else drafter), vocab
 
 
+# Draft models loaded within sharing_draft_models(), by what makes two loads the same model.
+_SHARED_DRAFTS: ContextVar[dict[tuple[object, ...], LoadedModel] | None] = ContextVar(
+    "specmtp_shared_drafts", default=None
+)
+
+
+@contextmanager
+def sharing_draft_models() -> Iterator[None]:
+    """Within: a draft model given by name or path loads once for each form it is used in
+    (dtype, `#vocab=N`, `#int8`) and every drafter built from that form drafts with the same
+    weights; each drafter keeps its own caches, and drafting only reads the weights. The
+    bench builds all its methods before it runs them: without this, every `--draft` naming
+    the same 0.5B draft held its own copy (1.4 GB each in bfloat16)."""
+    token = _SHARED_DRAFTS.set({})
+    try:
+        yield
+    finally:
+        _SHARED_DRAFTS.reset(token)
+
+
+def load_draft_model(spec: str, *, dtype: torch.dtype, form: tuple[object, ...]) -> LoadedModel:
+    """load_model, or within sharing_draft_models() the model already loaded for `spec` in
+    this `form` (what the caller will change in place: the output vocabulary, int8)."""
+    shared = _SHARED_DRAFTS.get()
+    if shared is None:
+        return load_model(spec, dtype=dtype)
+    key = (spec, dtype, packing_allowed(), *form)
+    if key not in shared:
+        shared[key] = load_model(spec, dtype=dtype)
+    return shared[key]
+
+
 def build_model_based_drafter(
-    spec: str, target: LoadedModel, *, dtype: torch.dtype
+    spec: str, target: LoadedModel, *, dtype: torch.dtype, int8: bool = False
 ) -> tuple[Drafter, int]:
     """build_drafter's one-drafter specs: MTP heads, draft models and prompt lookup."""
     target_vocab = usable_vocab_size(target, target)
@@ -145,7 +184,7 @@ def build_model_based_drafter(
                            f"with heads ({DRAFT_HEADS}DIR): {spec!r}")  # fmt: skip
     return build_model_drafter(
         spec, target, dtype=dtype, output_vocab=output_vocab, heads_dir=heads_dir, nodes=nodes,
-        tuned=tuned, min_probability=min_probability or 0.0,
+        tuned=tuned, min_probability=min_probability or 0.0, int8=int8,
     )  # fmt: skip
 
 
@@ -173,13 +212,19 @@ def build_model_drafter(
     nodes: int | None = None,
     tuned: bool = False,
     min_probability: float = 0.0,
+    int8: bool = False,
 ) -> tuple[DraftModelDrafter, int]:
     """A causal LM with the target's tokenizer, given by name or path, drafting on its own
     or, with `heads_dir`, with MTP heads trained on it (several tokens a forward); with
     `nodes`, a token tree of that many nodes a round (`tuned`: as many as its tuning
     profile gives); drafting no further in a round than paths of at least
-    `min_probability`."""
-    draft = load_model(spec, dtype=dtype)
+    `min_probability`. `int8`: the caller makes its products int8 (use_int8_drafter).
+    Within sharing_draft_models(), drafters of the same model in the same form share it,
+    unless heads are trained on it (they may hold its LM head)."""
+    if heads_dir is None:
+        draft = load_draft_model(spec, dtype=dtype, form=(output_vocab, int8))
+    else:
+        draft = load_model(spec, dtype=dtype)
     check_tokenizers_agree(
         target.tokenizer, draft.tokenizer, target_name=target.spec, draft_name=draft.spec
     )

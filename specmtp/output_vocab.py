@@ -18,6 +18,9 @@ from specmtp.errors import SpecMTPError
 from specmtp.kernels import TunedLinear
 from specmtp.models import LoadedModel
 from specmtp.specs import OUTPUT_VOCAB
+from specmtp.vocab import LOGITS_WIDTH
+
+CUT_TO = "specmtp_output_ids"  # the ids a model's LM head was cut to, kept on the model
 
 
 def output_vocab_ids(
@@ -44,9 +47,15 @@ def output_vocab_ids(
 
 def restrict_output_vocab(model: torch.nn.Module, ids: torch.Tensor) -> None:
     """Cut a Hugging Face model's LM head to the rows `ids` [N] (a copy: a head tied to the
-    input embedding is untied, the embedding keeps every token)."""
+    input embedding is untied, the embedding keeps every token). Once: a model already cut
+    to these ids is left as it is."""
     if not isinstance(model, PreTrainedModel):
         raise SpecMTPError("a reduced output vocabulary needs a Hugging Face draft model")
+    cut_to = getattr(model, CUT_TO, None)
+    if cut_to is not None:  # a draft shared by drafters (drafter_specs.sharing_draft_models)
+        if not torch.equal(cut_to, ids):
+            raise SpecMTPError("this draft's LM head is already cut to other tokens")
+        return
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or head.weight.shape[0] <= int(ids.max()):
         raise SpecMTPError(f"{type(model).__name__} has no LM head to cut to {len(ids)} tokens")
@@ -59,3 +68,5 @@ def restrict_output_vocab(model: torch.nn.Module, ids: torch.Tensor) -> None:
         cut.__class__, cut.kernel_plan, cut.is_head = TunedLinear, head.kernel_plan, True
     model.config.tie_word_embeddings = False
     model.set_output_embeddings(cut)
+    setattr(model, CUT_TO, ids)
+    setattr(model, LOGITS_WIDTH, head.weight.shape[0])

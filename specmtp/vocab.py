@@ -98,9 +98,17 @@ def _where(vocab: dict[str, int], token: str, side: str) -> str:
     return f"id {vocab[token]} in the {side}" if token in vocab else f"absent from the {side}"
 
 
+# Set on a model whose LM head was cut to a reduced output vocabulary (output_vocab.py): the
+# rows its head had, which its drafter's logits still span (-inf off the kept ids).
+LOGITS_WIDTH = "specmtp_logits_width"
+
+
 def _logits_width(model: LoadedModel | PreTrainedModel) -> int:
     """Rows of the output embedding (what the logits really span), else config.vocab_size."""
     model = model.model if isinstance(model, LoadedModel) else model
+    width = getattr(model, LOGITS_WIDTH, None)
+    if width is not None:
+        return int(width)
     head = model.get_output_embeddings()
     if head is not None and getattr(head, "weight", None) is not None:
         return int(head.weight.shape[0])
