@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from specmtp.drafter_specs import eos_token_ids
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel
+from specmtp.progress import progress
 
 # Default model, 2-core CPU, answer tokens/s: 16 prompts x 64 tokens, short prompts:
 # batch 1: 22, 8: 88, 16: 107, 32: 97; 32 train prompts (mean 185 tokens) x 128 tokens:
@@ -62,7 +62,7 @@ def generate_answers(
             )
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     answers: dict[int, tuple[int, ...]] = {}
-    bar = tqdm(total=len(order), desc="target answers", unit="prompt", disable=None)
+    bar = progress(total=len(order), desc="target answers", unit="prompt")
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
         batch = _generate_batch(model, [encoded[i] for i in rows], max_new_tokens)

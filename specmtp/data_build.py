@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 from specmtp.answers import DEFAULT_BATCH_SIZE, Sample, generate_answers, text_samples
 from specmtp.data import FORMAT, MANIFEST, DistillCache, model_fingerprint, read_manifest, sha256
@@ -22,6 +21,7 @@ from specmtp.errors import SpecMTPError
 from specmtp.files import write_atomically
 from specmtp.heads import target_features
 from specmtp.models import LoadedModel
+from specmtp.progress import progress
 from specmtp.vocab import vocab_digest
 
 
@@ -195,12 +195,14 @@ def rescore_cache(
     if (directory / MANIFEST).exists():
         _check_identity(directory, read_manifest(directory), identity)
     key = sha256(json.dumps(identity, sort_keys=True).encode())
-    shards = [
-        _ensure_rescored_shard(
-            source, entry, model, config, key=key, path=directory / entry["file"]
-        )
-        for entry in tqdm(source.manifest["shards"], desc="rescoring", unit="shard", disable=None)
-    ]
+    entries = source.manifest["shards"]
+    bar = progress(total=len(entries), desc="rescoring", unit="shard")
+    shards = []
+    for entry in entries:
+        path = directory / entry["file"]
+        shards.append(_ensure_rescored_shard(source, entry, model, config, key=key, path=path))
+        bar.update(1)
+    bar.close()
     manifest = {
         **identity,
         "key": key,

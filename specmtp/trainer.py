@@ -20,12 +20,12 @@ from typing import Any, Protocol
 import torch
 from accelerate import Accelerator
 from torch import nn
-from tqdm.auto import tqdm
 
 from specmtp.checkpoint import load_latest_checkpoint, save_checkpoint
 from specmtp.data import DistillBatch
 from specmtp.files import jsonl_lines
 from specmtp.parallel import DataParallel
+from specmtp.progress import progress
 
 WARMUP_STEPS = 50
 LOGGED_DECIMALS = 4
@@ -92,10 +92,9 @@ def run_training(
     batches = parallel.share(
         endless_batches(objective.one_pass, seed=config.seed, skip=step * parallel.processes)
     )
-    quiet = None if parallel.is_main else True  # None: tqdm's own choice (a terminal or not)
     if step == 0 and objective.evaluate_first and parallel.is_main:
         metrics.write(step=0, split="heldout", **objective.evaluate())
-    bar = tqdm(total=config.steps, initial=step, desc=name, disable=quiet)
+    bar = progress(total=config.steps, initial=step, desc=name, quiet=not parallel.is_main)
     while step < config.steps:
         batch = next(batches).to(accelerator.device)
         set_lr(optimizer, config, step)
