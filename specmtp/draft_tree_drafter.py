@@ -13,16 +13,20 @@ Growing the tree (batch 1, one draft forward per depth, as a chain of the same d
         forward of those rows, each seeing the context, its ancestors and itself (a 4-D
         mask over the draft's cache, which holds the context then every node fed so far)
                                                           -> each one's top BEAM children
-    propose the `nodes` likeliest paths; crop the draft's cache back to the context
+    propose the `nodes` likeliest paths; the nodes fed stay in the draft's cache
 A node outside the likeliest `nodes` is not expanded: its children rank below it, so none
 could enter. With `min_probability` P (`MODEL#nodes=N#min-p=P`), growth also stops at the
 first depth whose likeliest node to expand has a path probability below P: a forward
 spent on paths the draft itself doubts. The tree's tokens are fixed choices (the draft's
 top ones), verified with one-hot q at temperature > 0, which keeps sampling lossless.
 
-The cache keeps the context only: the next round feeds the accepted path again, in the
-forward that reads the new token (a few rows more in one forward; `catch_up`, counting from
-the context last drafted from, prices them).
+Next round, the accepted path's nodes that were fed (every one but a leaf) stay in the
+draft's cache, moved down behind the context (`CachedModel.keep`, as the target keeps its
+accepted path), and the rest of the tree leaves it: each such node's keys and values were
+computed at its own position over the context and its ancestors, as a chain would have.
+The forward that reads the new token then feeds only the tokens the tree had not fed (the
+target's own token, and an accepted leaf), not the whole accepted path again: a row or two
+where it fed about τ (`catch_up` counts those).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from specmtp.datastore import TIMING_RANK_PROBS
 from specmtp.draft_model import DraftLM
 from specmtp.draft_model_drafter import DraftModelDrafter
 from specmtp.drafters import (
+    Outcome,
     Proposal,
     TokenPath,
     check_nodes_known,
@@ -80,6 +85,23 @@ class DraftTreeDrafter(DraftModelDrafter):
         # Set by the decode loop for a round that only checks whether drafting pays
         # (mtp_drafter.single_path): the draft's likeliest path alone, a chain.
         self.single_path = False
+        # The last round's tree nodes in the draft's cache, in the order they were fed
+        # after the context (`tree_past` positions; the context is `self.fed`).
+        self.tree_fed: list[TokenPath] = []
+        self.tree_past = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.tree_fed = []
+
+    def observe(self, outcome: Outcome) -> None:
+        self._keep_accepted_path(outcome.context)
+        super().observe(outcome)
+
+    def catch_up(self, context: torch.Tensor) -> int:
+        """Tokens the next round's first forward feeds beyond the one it must: the accepted
+        path's nodes still in the cache are not fed again."""
+        return max(0, super().catch_up(context) - len(self._accepted_nodes(context)))
 
     @property
     def nodes(self) -> int | None:
@@ -115,6 +137,7 @@ class DraftTreeDrafter(DraftModelDrafter):
             raise SpecMTPError("a draft tree drafts one sequence at a time (batch size 1)")
         if k < 1:
             return empty_proposal(1, context.device)
+        self._keep_accepted_path(context)
         self._rollback_to_prefix_of(context[:, :-1])  # the last token must be fed for logits
         fresh = context[:, self.fed.shape[1] :]  # [1, u], u >= 1
         logits = self._full(self.runner.forward(fresh, last_only=True)[:, -1])  # [1, V]
@@ -132,9 +155,36 @@ class DraftTreeDrafter(DraftModelDrafter):
             logits = self._tree_step(expand, fed, past)  # [E, V]
             fed += expand
             scores |= self._children({p: scores[p] for p in expand}, logits, sampling, beam)
-        self.runner.crop(past)
+        self.tree_past, self.tree_fed = past, fed  # kept until the next round's context
         chosen = self._likeliest(scores, nodes)
         return paths_proposal({path: scores[path] for path in chosen}, context.device)
+
+    def _accepted_nodes(self, context: torch.Tensor) -> list[int]:
+        """The cache positions of the last round's nodes that spell the tokens `context` [1,
+        n] adds to that round's context, from the first on (one per depth, ascending)."""
+        past = self.tree_past
+        if not self.tree_fed or context.shape[1] <= past or self.fed.shape[1] != past:
+            return []
+        if not torch.equal(context[0, :past], self.fed[0]):
+            return []
+        position = {path: past + i for i, path in enumerate(self.tree_fed)}
+        added = tuple(context[0, past:].tolist())
+        kept = []
+        for depth in range(1, len(added) + 1):
+            if added[:depth] not in position:
+                break
+            kept.append(position[added[:depth]])
+        return kept
+
+    def _keep_accepted_path(self, context: torch.Tensor) -> None:
+        """Drop the last round's tree from the draft's cache but the nodes `context` took."""
+        if not self.tree_fed:
+            return
+        kept = self._accepted_nodes(context)
+        self.runner.keep(self.tree_past, torch.tensor(kept, dtype=torch.long))
+        if kept:  # else the cache holds the last context (`self.fed`) alone again
+            self.fed = context[:, : self.tree_past + len(kept)]
+        self.tree_fed = []
 
     def _likeliest(self, scores: dict[TokenPath, float], nodes: int | None) -> list[TokenPath]:
         """The `nodes` likeliest paths; on ties the shorter first, so a path never ranks

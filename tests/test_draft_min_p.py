@@ -86,7 +86,7 @@ def test_a_tree_with_min_p_is_the_slow_references_grown_while_the_draft_is_sure(
         assert proposed.keys() == expected.keys()
         for path, score in proposed.items():
             assert score == pytest.approx(expected[path], abs=1e-4), path
-        assert drafter.runner.length == len(context)
+        assert drafter.runner.length == len(context) + len(drafter.tree_fed)
         deepest = max(expected, key=lambda p: (len(p), expected[p]))
         context = [*context, *deepest, 7]
 

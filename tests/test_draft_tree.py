@@ -110,7 +110,7 @@ def proposed_paths(drafter: DraftTreeDrafter, context: list[int], k: int) -> dic
 
 
 @pytest.mark.parametrize(("k", "nodes"), [(1, 3), (3, 1), (3, 4), (4, 8), (5, 12)])
-def test_the_tree_is_the_slow_references_and_the_cache_keeps_the_context(
+def test_the_tree_is_the_slow_references_and_the_cache_keeps_the_accepted_path(
     target: PreTrainedModel, k: int, nodes: int
 ) -> None:
     draft = make_draft(target, copy=False)
@@ -123,9 +123,15 @@ def test_the_tree_is_the_slow_references_and_the_cache_keeps_the_context(
         for path, score in proposed.items():
             assert score == pytest.approx(expected[path], abs=1e-4), path
         assert len(expected) == min(nodes, len(expected)) and max(map(len, expected)) <= k
-        assert drafter.runner.length == len(context)  # the tree's nodes are cropped away
+        # The context, then the nodes the tree fed (every one but the leaves).
+        assert drafter.runner.length == len(context) + len(drafter.tree_fed)
         deepest = max(expected, key=lambda p: (len(p), expected[p]))
+        fed = [deepest[:depth] in drafter.tree_fed for depth in range(1, len(deepest) + 1)]
+        assert all(fed[:-1])  # every ancestor of a node was fed to draft it
         context = [*context, *deepest, 7]  # as if the target accepted it, then drew 7
+        # Next round feeds 7 and, unless fed, the leaf; not the path again. The scores
+        # next round (above) read the path's keys and values from the tree's cache.
+        assert drafter.catch_up(torch.tensor([context])) == fed.count(False)
 
 
 def test_a_tree_ranks_siblings_and_depths_by_the_drafts_probabilities(
@@ -169,8 +175,31 @@ def test_a_check_drafts_the_trees_top_path_alone(
             proposal = wrapped.propose(context, k, sampling, None)
         assert proposal.tree is None and proposal.probs is None
         assert proposal.tokens[0].tolist() == greedy_chain
-        assert drafter.runner.length == len(PROMPT) and not drafter.single_path
+        assert len(drafter.tree_fed) == k - 1 and not drafter.single_path  # all but the leaf
+        assert drafter.runner.length == len(PROMPT) + k - 1
     assert drafter.propose(context, k, sampling, None).tree is not None
+
+
+def test_each_round_feeds_the_draft_only_what_its_tree_had_not(target: PreTrainedModel) -> None:
+    """The draft is the target, so the tree's top path is always right: each round's first
+    draft forward (the one without a tree mask) reads the target's new token and the
+    accepted leaf, at most 2 rows, where it read the whole accepted path again before."""
+    drafter = DraftTreeDrafter(make_draft(target, copy=True), vocab_size=TINY_VOCAB, nodes=4)
+    rows: list[tuple[int, bool]] = []  # per draft forward: rows, whether a tree step
+    forward = drafter.runner.forward
+
+    def counting(tokens: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        rows.append((tokens.shape[1], "attention_mask" in kwargs))
+        return forward(tokens, **kwargs)  # type: ignore[arg-type]
+
+    drafter.runner.forward = counting  # type: ignore[method-assign]
+    decoder = decode.SpecDecoder(target, drafter=drafter, vocab_size=TINY_VOCAB, context_length=256)
+    result = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=4))
+    assert result.tokens == hf_greedy(target, PROMPT, NEW_TOKENS)
+    firsts = [n for n, tree_step in rows if not tree_step]
+    assert firsts[0] == len(PROMPT) and len(firsts) <= result.stats.rounds
+    assert max(firsts[1:]) <= 2
+    assert result.stats.accepted_tokens > result.stats.rounds  # paths of 2 and more accepted
 
 
 KINDS = {"self": True, "random": False}
