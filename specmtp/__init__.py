@@ -14,6 +14,7 @@ _EXPORTS = {
     "GenerationConfig": "specmtp.config",
     "SamplingConfig": "specmtp.config",
     "SpecMTPError": "specmtp.errors",
+    "sharing_draft_models": "specmtp.drafter_specs",
 }
 
 __all__ = sorted(_EXPORTS)

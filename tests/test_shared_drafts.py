@@ -10,6 +10,7 @@ import pytest
 from conftest import hf_greedy, run_cli
 from transformers import PreTrainedModel
 
+import specmtp
 from specmtp import drafter_specs
 from specmtp.api import SpecGenerator, build_drafter, eos_token_ids
 from specmtp.draft_model_drafter import DraftModelDrafter
@@ -57,6 +58,8 @@ def test_drafters_of_one_model_in_one_form_share_it(
     assert plain.get_output_embeddings().weight.shape[0] == len(loaded_target.tokenizer)
     assert not isinstance(plain.get_output_embeddings(), Int8Linear)
     assert cut.get_output_embeddings().weight.shape[0] < CUT + 100
+    # The package exports the context for the API's users.
+    assert specmtp.sharing_draft_models is sharing_draft_models
     # Outside the context every drafter loads its own copy, as the API always did.
     alone = [model_of(build_drafter(spec, loaded_target)[0]) for spec in specs[:2]]
     assert alone[0] is not alone[1] and int8_tree not in alone
