@@ -184,6 +184,7 @@ class DraftTreeDrafter(DraftModelDrafter):
         self.runner.keep(self.tree_past, torch.tensor(kept, dtype=torch.long))
         if kept:  # else the cache holds the last context (`self.fed`) alone again
             self.fed = context[:, : self.tree_past + len(kept)]
+            self.expected = self.fed  # what catch_up counts from: the cache's tokens
         self.tree_fed = []
 
     def _likeliest(self, scores: dict[TokenPath, float], nodes: int | None) -> list[TokenPath]:

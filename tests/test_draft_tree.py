@@ -22,7 +22,7 @@ from specmtp.config import GenerationConfig, SamplingConfig
 from specmtp.draft_model import DraftLM, draft_config_for, init_from_target, save_draft
 from specmtp.draft_model_drafter import DraftModelDrafter
 from specmtp.draft_tree_drafter import DraftTreeDrafter
-from specmtp.drafters import LookupFirstDrafter, Proposal, TokenPath
+from specmtp.drafters import LookupFirstDrafter, Outcome, Proposal, TokenPath
 from specmtp.errors import SpecMTPError
 from specmtp.models import LoadedModel, load_model
 from specmtp.mtp_drafter import single_path
@@ -131,6 +131,11 @@ def test_the_tree_is_the_slow_references_and_the_cache_keeps_the_accepted_path(
         context = [*context, *deepest, 7]  # as if the target accepted it, then drew 7
         # Next round feeds 7 and, unless fed, the leaf; not the path again. The scores
         # next round (above) read the path's keys and values from the tree's cache.
+        assert drafter.catch_up(torch.tensor([context])) == fed.count(False)
+        # The decode loop asks after the round's observe, which moved the path in place.
+        drafter.observe(
+            Outcome(torch.tensor([context]), num_accepted=len(deepest), target_hidden=None)
+        )
         assert drafter.catch_up(torch.tensor([context])) == fed.count(False)
 
 
