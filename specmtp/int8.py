@@ -3,11 +3,16 @@
 A draft only proposes tokens; the target's verification decides what is written, so a
 drafter's products need not be exact, only cheap and close. On CPU a drafter's step reads
 all its weights for a few rows: a memory-bound product, whose cost is the bytes read. With
-int8 weights (one scale per output row) and the input rows quantized at each call
-(per tensor, fbgemm's dynamic product), a product reads half the bytes of bfloat16 and a
-quarter of float32. On the project's AMD EPYC (1 thread, weights not in cache) the shipped
-heads' 8192 x 576 output product of 1-5 rows takes about 0.4 ms against 1.2 ms in
-bfloat16.
+int8 weights (one scale per output row) and the input rows quantized at each call, a
+product reads half the bytes of bfloat16 and a quarter of float32. Two kernels:
+
+- int8.c (native.py compiles it), where the CPU has AVX512-VNNI: each input row quantized
+  to 8 bits by its own range (so a row's output does not depend on the call's other rows),
+  the weights streamed once for all rows. For the Qwen2.5 0.5B draft's matrices (2 threads,
+  this Intel Xeon) 25-40% faster than fbgemm for 1-8 rows (scripts/int8_products.py).
+- fbgemm's dynamic product elsewhere (the input quantized per tensor). On the project's AMD
+  EPYC (1 thread, weights not in cache) the shipped heads' 8192 x 576 output product of
+  1-5 rows takes about 0.4 ms against 1.2 ms in bfloat16.
 
 What changes is the drafts' logits, by quantization error: a close second candidate may
 swap with the first. Greedy output stays token-identical to plain decoding (the target
@@ -24,17 +29,21 @@ pins that version. Where a torch build lacks the engine, `#int8` is refused with
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from functools import cache
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
 
+from specmtp import native
 from specmtp.errors import SpecMTPError
 from specmtp.heads import VocabProjection
 
 INT8 = "#int8"  # the draft spec option
+BLOCK = 16  # int8.c's output rows per block
 
 
 def int8_products_available() -> bool:
@@ -62,13 +71,21 @@ def reduce_input_range() -> bool:
 
 class Int8Product:
     """x @ W^T + b with W stored as int8, one scale per output row (symmetric), and x
-    quantized per call: fbgemm's (or the engine's) dynamic product, in float32, cast back
-    to x's dtype."""
+    quantized per call: int8.c's product where native.int8_kernel() gives it (or where
+    `kernel` is passed), else fbgemm's (or the engine's) dynamic product, in float32; the
+    result in x's dtype."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        kernel: ctypes._CFuncPtr | Literal["auto"] | None = "auto",
+    ) -> None:
         if weight.device.type != "cpu":
             raise SpecMTPError(f"{INT8} products run on CPU; this drafter is on {weight.device}")
-        if not int8_products_available():
+        self.kernel = native.int8_kernel() if kernel == "auto" else kernel
+        if self.kernel is None and not int8_products_available():
             raise SpecMTPError(f"{INT8}: this torch build has no quantized CPU engine")
         w = weight.detach().float()  # [out, in]
         scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).double()  # [out]
@@ -80,15 +97,51 @@ class Int8Product:
         self.weight = quantized.int_repr()
         self.scale = scale.float()  # [out]
         self.out_features, self.in_features = w.shape
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        if self.kernel is not None:
+            self.packed = interleave(self.weight)
+            self.wsum = _padded(self.weight.sum(1, dtype=torch.int32))
+            self.padded_scale = _padded(self.scale)
+            return
         self.reduce_range = reduce_input_range()
-        self.packed = torch.ops.quantized.linear_prepack(
-            quantized, None if bias is None else bias.detach().float()
-        )
+        self.packed = torch.ops.quantized.linear_prepack(quantized, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self._native(x)
         rows = x.reshape(-1, x.shape[-1]).float()  # [M, in]
         out = torch.ops.quantized.linear_dynamic(rows, self.packed, self.reduce_range)  # [M, out]
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _native(self, x: torch.Tensor) -> torch.Tensor:
+        bf16 = x.dtype == torch.bfloat16
+        rows = x.reshape(-1, x.shape[-1])  # [M, in]
+        rows = (rows if bf16 else rows.float()).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)  # [M, out]
+        failed = self.kernel(
+            rows.data_ptr(), int(bf16), rows.shape[0], self.in_features,
+            self.packed.data_ptr(), self.out_features, self.padded_scale.data_ptr(),
+            self.wsum.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(f"int8 product of {rows.shape[0]} rows: out of memory")
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def interleave(weight: torch.Tensor) -> torch.Tensor:
+    """int8.c's layout of an [out, in] int8 matrix: [ceil(out/16), in/4, 16, 4], each
+    dimension padded with zeros (packed[b, j, r, t] = weight[16b + r, 4j + t])."""
+    out_features, in_features = weight.shape
+    rows, columns = -(-out_features // BLOCK) * BLOCK, -(-in_features // 4) * 4
+    padded = torch.zeros(rows, columns, dtype=torch.int8)
+    padded[:out_features, :in_features] = weight
+    return padded.view(rows // BLOCK, BLOCK, columns // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def _padded(values: torch.Tensor) -> torch.Tensor:
+    """values [out] with zeros up to a multiple of int8.c's block of 16 rows."""
+    return torch.cat([values, values.new_zeros(-len(values) % BLOCK)]).contiguous()
 
 
 class Int8Linear(nn.Module):
