@@ -41,7 +41,9 @@ int specmtp_int8_vnni(void) {
 #include <immintrin.h>
 
 #define BLOCK 16 /* output rows per block: one int32 vector */
-#define GROUP 8  /* input rows summed per pass over a block's weights */
+#define GROUP 4  /* input rows summed per pass over a tile's weights */
+#define TILE 4   /* blocks summed side by side: 16 sums in registers, each input broadcast
+                    feeding 4 products (for 4 rows of 4864 x 896, 10-25% faster than 1) */
 
 static float input(const void *x, int bf16, int64_t i) {
     if (!bf16)
@@ -84,37 +86,55 @@ static void quantize_row(const void *x, int bf16, int64_t i, int64_t k, int64_t 
     *step = s;
 }
 
-/* sums[i][r] = sum over j, t of u[i][4j + t] * packed[j][r][t], for `rows` input rows
-(a constant after inlining, so the sums stay in registers). */
-static inline __attribute__((always_inline)) void block_sums(const uint8_t *u, int64_t kp,
-                                                             const int8_t *packed, int rows,
-                                                             int32_t *sums) {
-    __m512i acc[GROUP];
-    for (int i = 0; i < rows; i++)
-        acc[i] = _mm512_setzero_si512();
+/* sums[w][i][r] = sum over j, t of u[i][4j + t] * packed[w][j][r][t] for `rows` input rows
+and `width` blocks side by side (constants after inlining, so the sums stay in registers:
+each broadcast input feeds `width` products). */
+static inline __attribute__((always_inline)) void tile_sums(const uint8_t *u, int64_t kp,
+                                                            const int8_t *packed, int rows,
+                                                            int width, int32_t *sums) {
+    __m512i acc[TILE][GROUP];
+    for (int b = 0; b < width; b++)
+        for (int i = 0; i < rows; i++)
+            acc[b][i] = _mm512_setzero_si512();
     for (int64_t c = 0; c < kp; c += 4) {
-        __m512i w = _mm512_loadu_si512((const void *)(packed + c * BLOCK));
+        __m512i w[TILE];
+        for (int b = 0; b < width; b++)
+            w[b] = _mm512_loadu_si512((const void *)(packed + (b * kp + c) * BLOCK));
         for (int i = 0; i < rows; i++) {
             int32_t four;
             memcpy(&four, u + i * kp + c, sizeof four);
-            acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(four), w);
+            __m512i input = _mm512_set1_epi32(four);
+            for (int b = 0; b < width; b++)
+                acc[b][i] = _mm512_dpbusd_epi32(acc[b][i], input, w[b]);
         }
     }
-    for (int i = 0; i < rows; i++)
-        _mm512_storeu_si512((void *)(sums + i * BLOCK), acc[i]);
+    for (int b = 0; b < width; b++)
+        for (int i = 0; i < rows; i++)
+            _mm512_storeu_si512((void *)(sums + (b * GROUP + i) * BLOCK), acc[b][i]);
 }
 
-static void sums_of(const uint8_t *u, int64_t kp, const int8_t *packed, int rows,
+#define ROWS_CASE(width, rows)                                                            \
+    case rows:                                                                           \
+        tile_sums(u, kp, packed, rows, width, sums);                                     \
+        break;
+#define WIDTH_CASE(width)                                                                 \
+    case width:                                                                          \
+        switch (rows) {                                                                  \
+            ROWS_CASE(width, 1)                                                          \
+            ROWS_CASE(width, 2)                                                          \
+            ROWS_CASE(width, 3)                                                          \
+            ROWS_CASE(width, 4)                                                          \
+        }                                                                                \
+        break;
+
+/* tile_sums with rows (1 .. GROUP) and width (1 .. TILE) as constants. */
+static void sums_of(const uint8_t *u, int64_t kp, const int8_t *packed, int rows, int width,
                     int32_t *sums) {
-    switch (rows) {
-    case 1: block_sums(u, kp, packed, 1, sums); break;
-    case 2: block_sums(u, kp, packed, 2, sums); break;
-    case 3: block_sums(u, kp, packed, 3, sums); break;
-    case 4: block_sums(u, kp, packed, 4, sums); break;
-    case 5: block_sums(u, kp, packed, 5, sums); break;
-    case 6: block_sums(u, kp, packed, 6, sums); break;
-    case 7: block_sums(u, kp, packed, 7, sums); break;
-    default: block_sums(u, kp, packed, GROUP, sums); break;
+    switch (width) {
+        WIDTH_CASE(1)
+        WIDTH_CASE(2)
+        WIDTH_CASE(3)
+        WIDTH_CASE(4)
     }
 }
 
@@ -122,6 +142,7 @@ int specmtp_int8_linear(const void *x, int bf16, int64_t m, int64_t k, const int
                         int64_t n, const float *scale, const int32_t *wsum, const float *bias,
                         void *y, int threads) {
     int64_t kp = (k + 3) / 4 * 4, blocks = (n + BLOCK - 1) / BLOCK;
+    int64_t tiles = (blocks + TILE - 1) / TILE;
     uint8_t *u = aligned_alloc(64, (size_t)((m * kp + 63) / 64 * 64));
     float *low = malloc(sizeof(float) * (size_t)m), *step = malloc(sizeof(float) * (size_t)m);
     if (!u || !low || !step) {
@@ -131,17 +152,22 @@ int specmtp_int8_linear(const void *x, int bf16, int64_t m, int64_t k, const int
     for (int64_t i = 0; i < m; i++)
         quantize_row(x, bf16, i, k, kp, u + i * kp, low + i, step + i);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++) {
-        int32_t sums[GROUP * BLOCK];
+    for (int64_t t = 0; t < tiles; t++) {
+        int32_t sums[TILE * GROUP * BLOCK];
+        int width = blocks - t * TILE < TILE ? (int)(blocks - t * TILE) : TILE;
         for (int64_t i0 = 0; i0 < m; i0 += GROUP) {
             int rows = m - i0 < GROUP ? (int)(m - i0) : GROUP;
-            sums_of(u + i0 * kp, kp, packed + b * BLOCK * kp, rows, sums);
-            for (int i = 0; i < rows; i++)
-                for (int r = 0; r < BLOCK && b * BLOCK + r < n; r++) {
-                    int64_t o = b * BLOCK + r, row = i0 + i;
-                    float dot = step[row] * (float)sums[i * BLOCK + r] + low[row] * (float)wsum[o];
-                    store(y, bf16, row * n + o, scale[o] * dot + (bias ? bias[o] : 0.0f));
-                }
+            sums_of(u + i0 * kp, kp, packed + t * TILE * BLOCK * kp, rows, width, sums);
+            for (int b = 0; b < width; b++)
+                for (int i = 0; i < rows; i++)
+                    for (int r = 0; r < BLOCK; r++) {
+                        int64_t o = (t * TILE + b) * BLOCK + r, row = i0 + i;
+                        if (o >= n)
+                            break;
+                        int32_t sum = sums[(b * GROUP + i) * BLOCK + r];
+                        float dot = step[row] * (float)sum + low[row] * (float)wsum[o];
+                        store(y, bf16, row * n + o, scale[o] * dot + (bias ? bias[o] : 0.0f));
+                    }
         }
     }
     free(u), free(low), free(step);

@@ -98,7 +98,8 @@ def _native_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor)
 @pytest.mark.skipif(NATIVE is None, reason="no int8.c here")
 @pytest.mark.parametrize(
     ("out_features", "in_features", "rows"),
-    [(96, 64, 1), (100, 70, 9), (17, 4, 3), (40, 200, 70)],  # padded rows and columns, groups
+    # padded rows and columns; tiles of 4, 3 and 2 blocks; several groups of rows
+    [(96, 64, 1), (100, 70, 9), (17, 4, 3), (40, 200, 70), (56, 64, 6)],
 )
 def test_the_native_product_is_its_slow_reference_row_by_row(
     out_features: int, in_features: int, rows: int
