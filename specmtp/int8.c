@@ -43,7 +43,8 @@ int specmtp_int8_vnni(void) {
 #define BLOCK 16 /* output rows per block: one int32 vector */
 #define GROUP 4  /* input rows summed per pass over a tile's weights */
 #define TILE 4   /* blocks summed side by side: 16 sums in registers, each input broadcast
-                    feeding 4 products (for 4 rows of 4864 x 896, 10-25% faster than 1) */
+                    feeding 4 products (4 rows of 4864 x 896 in cache: 0.25 -> 0.19 ms
+                    against one block at a time) */
 
 static float input(const void *x, int bf16, int64_t i) {
     if (!bf16)

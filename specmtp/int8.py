@@ -9,7 +9,8 @@ product reads half the bytes of bfloat16 and a quarter of float32. Two kernels:
 - int8.c (native.py compiles it), where the CPU has AVX512-VNNI: each input row quantized
   to 8 bits by its own range (so a row's output does not depend on the call's other rows),
   the weights streamed once for all rows. For the Qwen2.5 0.5B draft's matrices (2 threads,
-  this Intel Xeon) 25-40% faster than fbgemm for 1-8 rows (scripts/int8_products.py).
+  this Intel Xeon, weights out of cache) 18-53% less time than fbgemm's for 1-8 rows, the
+  least for the 151,936-row LM head (scripts/int8_products.py; docs/draft-models.md).
 - fbgemm's dynamic product elsewhere (the input quantized per tensor). On the project's AMD
   EPYC (1 thread, weights not in cache) the shipped heads' 8192 x 576 output product of
   1-5 rows takes about 0.4 ms against 1.2 ms in bfloat16.

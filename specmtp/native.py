@@ -8,8 +8,8 @@ rows of a layer in one call, each (query, key) pair by the same chain of operati
 bits still do not depend on the other rows, and reads the shared keys once.
 
 int8.c is the product of `#int8` drafters (int8.py): with AVX512-VNNI it reads a draft's
-int8 weights at close to the memory's speed (25-40% faster than fbgemm's dynamic product
-for the Qwen2.5 0.5B draft's matrices, 1-8 rows, 2 threads), OpenMP-threaded. torch's own
+int8 weights faster than fbgemm's dynamic product (18-53% less time for the Qwen2.5 0.5B
+draft's matrices, 1-8 rows, 2 threads, weights out of cache), OpenMP-threaded. torch's own
 OpenMP runtime (libgomp.so.1, loaded with torch) serves it, so both share one thread pool.
 
 A kernel is compiled with the C compiler found here (`$CC`, else `cc` or `gcc`), with
