@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from specmtp.errors import SpecMTPError
 from specmtp.heads import target_features
+
+if TYPE_CHECKING:  # lean.py imports invariant.py, which imports this module
+    from specmtp.lean import LeanForward
 
 
 class CachedModel:
@@ -38,6 +43,8 @@ class CachedModel:
         self.keep_hidden = keep_hidden
         self.hidden_layers = hidden_layers
         self.last_hidden: torch.Tensor | None = None
+        # A cheaper forward for decode steps (lean.py), where the drafter set one
+        self.lean: LeanForward | None = None
         self.cache = self._new_cache()
         self.length = 0
 
@@ -76,6 +83,17 @@ class CachedModel:
         n = tokens.shape[1]
         if position_ids is None:
             position_ids = torch.arange(self.length, self.length + n, device=tokens.device)[None]
+        if (
+            self.lean is not None
+            and not self.keep_hidden
+            and self.lean.takes(tokens, attention_mask)
+        ):
+            logits = self.lean(
+                tokens, self.cache, position_ids=position_ids, attention_mask=attention_mask,
+                last_only=last_only,
+            )  # fmt: skip
+            self.length += n
+            return logits[..., : self.vocab_size]
         out = self.model(
             input_ids=tokens,
             attention_mask=attention_mask,

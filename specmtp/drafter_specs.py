@@ -38,6 +38,7 @@ from specmtp.kernels import (
     use_tuned_linear,
     without_packing,
 )
+from specmtp.lean import lean_forward
 from specmtp.merged_drafter import MergedDrafter
 from specmtp.models import LoadedModel, load_model
 from specmtp.mtp_drafter import MTPDrafter
@@ -194,6 +195,7 @@ def use_int8_drafter(drafter: Drafter, spec: str) -> Drafter:
         use_int8_products(drafter.heads)
     elif isinstance(drafter, DraftModelDrafter):
         use_int8_products(drafter.runner.model)
+        drafter.runner.lean = lean_forward(drafter.runner.model)
         if drafter.heads is not None:  # heads trained on it (#heads=DIR): not inside the model
             use_int8_products(drafter.heads)
     else:

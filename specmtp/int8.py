@@ -107,6 +107,43 @@ class Int8Product:
         self.reduce_range = reduce_input_range()
         self.packed = torch.ops.quantized.linear_prepack(quantized, self.bias)
 
+    @classmethod
+    def stacked(cls, products: list[Int8Product]) -> Int8Product:
+        """One product whose output rows are those of `products` in turn (one call reads
+        them all, one quantization of the input); each of `products` then reads its rows of
+        the stacked copy, so the weights are not held twice. int8.c's products only, each
+        a whole number of blocks, all with the same inputs."""
+        first = products[0]
+        if any(p.kernel is None or p.out_features % BLOCK for p in products) or any(
+            p.in_features != first.in_features for p in products
+        ):
+            raise ValueError("only int8.c's products of whole blocks and equal inputs stack")
+        stacked = cls.__new__(cls)
+        stacked.kernel, stacked.in_features = first.kernel, first.in_features
+        stacked.out_features = sum(p.out_features for p in products)
+        for name in ("weight", "scale", "packed", "wsum", "padded_scale"):
+            setattr(stacked, name, torch.cat([getattr(p, name) for p in products]))
+        biases = [
+            p.bias if p.bias is not None else p.scale.new_zeros(p.out_features) for p in products
+        ]
+        has_bias = any(p.bias is not None for p in products)
+        stacked.bias = torch.cat(biases) if has_bias else None
+        start = 0
+        for p in products:
+            rows, blocks = (
+                slice(start, start + p.out_features),
+                slice(start // BLOCK, (start + p.out_features) // BLOCK),
+            )
+            p.weight, p.scale, p.packed = (
+                stacked.weight[rows],
+                stacked.scale[rows],
+                stacked.packed[blocks],
+            )
+            p.wsum, p.padded_scale = stacked.wsum[rows], stacked.padded_scale[rows]
+            p.bias = None if p.bias is None else stacked.bias[rows]
+            start += p.out_features
+        return stacked
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self._native(x)

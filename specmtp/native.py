@@ -1,4 +1,4 @@
-"""The C kernels (attention.c, int8.c), compiled here once per machine.
+"""The C kernels (attention.c, int8.c, lean.c), compiled here once per machine.
 
 invariant.py needs every query row's attention to get the bits a one-token step gives it.
 In torch that means one pair of products per row and layer, whose calls cost more than
@@ -11,6 +11,7 @@ int8.c is the product of `#int8` drafters (int8.py): with AVX512-VNNI it reads a
 int8 weights faster than fbgemm's dynamic product (18-53% less time for the Qwen2.5 0.5B
 draft's matrices, 1-8 rows, 2 threads, weights out of cache), OpenMP-threaded. torch's own
 OpenMP runtime (libgomp.so.1, loaded with torch) serves it, so both share one thread pool.
+lean.c holds the rotary and norm steps of lean.py's draft forward.
 
 A kernel is compiled with the C compiler found here (`$CC`, else `cc` or `gcc`), with
 -march=native when the compiler takes it, into $SPECMTP_CACHE/native/, named by a hash of
@@ -35,6 +36,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("attention.c")
 INT8_SOURCE = Path(__file__).with_name("int8.c")
+LEAN_SOURCE = Path(__file__).with_name("lean.c")
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off", "-fno-fast-math")
 ENABLE = "SPECMTP_NATIVE"  # "0": attention in torch, int8 products in fbgemm, no compiling
 # What attention.c takes (its LANES and MAX_D): head size a multiple of KERNEL_LANES, at
@@ -52,6 +54,12 @@ _ARGS += [ctypes.c_int] * 4 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
 # scale, wsum, bias (or NULL); y, threads
 _INT8_ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 _INT8_ARGS += [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int]
+# lean.c's specmtp_split_rotary: qkv, n, heads, kv_heads, d, cos, sin, q, k, v, k and v in
+# bfloat16 (else float32); specmtp_add_rms_norm: x, delta (or NULL), n, hidden, weight, eps, out
+_ROTARY_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+_ROTARY_ARGS += [ctypes.c_void_p] * 5 + [ctypes.c_int]
+_NORM_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+_NORM_ARGS += [ctypes.c_float, ctypes.c_void_p]
 BUILD_TIMEOUT_S = 120
 
 
@@ -93,6 +101,19 @@ def int8_kernel() -> ctypes._CFuncPtr | None:
     function.argtypes = _INT8_ARGS
     function.restype = ctypes.c_int
     return function
+
+
+@cache
+def lean_kernels() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+    """(specmtp_split_rotary, specmtp_add_rms_norm) from the compiled lean.c (lean.py's
+    draft forward), or None where there is none (no compiler, or SPECMTP_NATIVE=0)."""
+    library = _library(LEAN_SOURCE, FLAGS)
+    if library is None:
+        return None
+    rotary, norm = library.specmtp_split_rotary, library.specmtp_add_rms_norm
+    rotary.argtypes, norm.argtypes = _ROTARY_ARGS, _NORM_ARGS
+    rotary.restype = norm.restype = None
+    return rotary, norm
 
 
 def _library(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:

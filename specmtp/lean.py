@@ -1,0 +1,232 @@
+"""A lean decode-step forward for `#int8` draft models of the Llama and Qwen2 families.
+
+A draft step of the Qwen2.5 0.5B draft (1 row, bfloat16, int8 products, 2 threads, this
+Intel Xeon) took 44 ms through transformers' forward, of which its int8 products were 27
+ms: the other 17 ms were the modeling code's tensor operations, about fifteen for the
+rotary embedding of a layer, seven for each norm, each a few microseconds of dispatch on one
+row (scripts/lean_profile.py). The draft's cost per forward is what speculative decoding
+pays for every proposed token, so this module runs the same computation in a dozen calls a
+layer: q, k and v in one int8 product (their matrices stacked), gate and up in another,
+one C call (lean.c) to rotate and lay out q and k, torch's fused rms_norm, the row-wise
+attention of attention.c, the residual stream in float32.
+
+Style point 6 says: never fork modeling files. This is not a fork but a second
+implementation of one decode step for drafters only, kept honest two ways: it is used only
+where every part of the model is one it knows (`unsupported` names what is not), and at
+load its logits are compared with transformers' own on a probe (`agrees`); a model that
+differs keeps transformers' forward. Its numbers differ from transformers' by rounding
+(float32 where transformers rounds to bfloat16 between operations, amplified by the int8
+products' 8-bit inputs), which can only move which tokens the draft proposes: the target
+verifies them, so outputs do not change.
+
+Prompts (more than MAX_LOOP_ROWS tokens) and forwards that must return hidden states go
+through transformers; both fill the same DynamicCache, so the two mix freely.
+SPECMTP_LEAN=0 turns it off (for A/B runs).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from weakref import WeakKeyDictionary
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from specmtp import native
+from specmtp.int8 import BLOCK, Int8Linear, Int8Product
+from specmtp.invariant import MAX_LOOP_ROWS, _native_attention, kernel_takes
+
+ENABLE = "SPECMTP_LEAN"
+FAMILIES = ("llama", "qwen2")
+# The least correlation of a probe row's logits with transformers' that passes. Rounding
+# differs (float32 here), and each int8 product rounds its input row to 8 bits, so a small
+# change can move an input by a step: the Qwen2.5 0.5B draft's rows correlate 0.994-0.999
+# with transformers' (its max difference near a third of the logits' spread), while an
+# attention scale 1.5 times too large gives 0.94-0.98 and one layer's norm weights
+# reversed 0.72-0.77 (random-token probes, 3 seeds).
+CORRELATION = 0.99
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor  # [hidden] float32
+    qkv: Int8Product  # q, k and v stacked: [(heads + 2 kv_heads) * d, hidden]
+    o: Int8Product
+    post_norm: torch.Tensor  # [hidden] float32
+    gate_up: Int8Product  # gate and up stacked: [2 * intermediate, hidden]
+    down: Int8Product
+
+
+class LeanForward:
+    """One decode step (at most MAX_LOOP_ROWS rows) of a supported model over its cache."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        config, body = model.config, model.model
+        self.eps = config.rms_norm_eps
+        self.embed = body.embed_tokens
+        self.rotary = body.rotary_emb
+        self.final_norm = body.norm.weight.float()
+        self.lm_head = model.lm_head.product
+        attention = body.layers[0].self_attn
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.scale = attention.head_dim, attention.scaling
+        self.intermediate = config.intermediate_size
+        self.layers = [_lean_layer(layer) for layer in body.layers]
+        self.rotate, self.norm = native.lean_kernels()
+        self.attend = native.attention_kernel()
+
+    def takes(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+        """Whether this forward serves the call: one batch row, a decode step's few rows,
+        causal or a 4-D mask."""
+        batch, n = tokens.shape
+        return (
+            batch == 1
+            and n <= MAX_LOOP_ROWS
+            and (attention_mask is None or attention_mask.dim() == 4)
+        )
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        cache: DynamicCache,
+        *,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """tokens [1, n] at position_ids [1, n], appended to `cache`; logits [1, n, V]
+        float32 ([1, 1, V] with last_only). The mask as CachedModel.forward takes it."""
+        x = self.embed(tokens[0]).float()  # [n, hidden], the residual stream
+        h = torch.empty_like(x)  # [n, hidden], the normed stream the products read
+        cos, sin = (t[0].contiguous() for t in self.rotary(x[None], position_ids))  # [n, d]
+        n, heads, kv_heads, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        kv_dtype = self.embed.weight.dtype
+        delta = None  # the MLP's output, added to x by the next norm
+        for index, layer in enumerate(self.layers):
+            self._add_norm(x, delta, layer.input_norm, h)
+            qkv = layer.qkv(h)  # [n, (H + 2 Hkv) d]
+            q = torch.empty(n, heads, d)  # [n, H, d]
+            k = torch.empty(1, kv_heads, n, d, dtype=kv_dtype)  # [1, Hkv, n, d]
+            v = torch.empty_like(k)
+            self.rotate(
+                qkv.data_ptr(), n, heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(),
+                q.data_ptr(), k.data_ptr(), v.data_ptr(), int(kv_dtype == torch.bfloat16),
+            )  # fmt: skip
+            keys, values = cache.update(k, v, index)  # [1, Hkv, S, d]
+            query = q.transpose(0, 1)[None]  # [1, H, n, d]
+            out = _native_attention(self.attend, query, keys, values, attention_mask, self.scale)
+            self._add_norm(x, layer.o(out.view(n, heads * d)), layer.post_norm, h)
+            gate_up = layer.gate_up(h)  # [n, 2 I]
+            gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
+            delta = layer.down(F.silu(gate) * up)
+        self._add_norm(x, delta, self.final_norm, h)
+        return self.lm_head(h[-1:] if last_only else h)[None]
+
+    def _add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """x += delta (in place, where given); out = RMS norm of x times weight (lean.c)."""
+        n, hidden = x.shape
+        delta_pointer = None if delta is None else delta.data_ptr()
+        self.norm(
+            x.data_ptr(), delta_pointer, n, hidden, weight.data_ptr(), self.eps, out.data_ptr()
+        )
+
+
+def lean_forward(model: PreTrainedModel) -> LeanForward | None:
+    """The lean forward of an `#int8` draft model (int8.use_int8_products done), or None
+    where it does not serve: turned off, kernels missing, a model part it does not know, or
+    logits that differ from transformers' on the probe. Built once per model: drafters
+    sharing a draft model (drafter_specs.shared_drafts) share it too."""
+    if os.environ.get(ENABLE, "1") == "0":
+        return None
+    if model not in _built:
+        lean = None if unsupported(model) is not None else LeanForward(model)
+        _built[model] = lean if lean is not None and agrees(model, lean) else None
+    return _built[model]
+
+
+_built: WeakKeyDictionary[PreTrainedModel, LeanForward | None] = WeakKeyDictionary()
+
+
+def unsupported(model: PreTrainedModel) -> str | None:
+    """What of `model` the lean forward does not implement, or None if nothing."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"model type {config.model_type!r}"
+    if native.lean_kernels() is None or native.attention_kernel() is None:
+        return "no C compiler for lean.c and attention.c"
+    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
+        return "an MLP other than SiLU-gated without bias"
+    if getattr(config, "use_sliding_window", False) or any(
+        kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()
+    ):
+        return "sliding-window attention"
+    body = getattr(model, "model", None)
+    if body is None or not isinstance(getattr(model, "lm_head", None), Int8Linear):
+        return "no int8 LM head (#int8 not applied?)"
+    for layer in body.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        parts = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj]
+        parts += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not all(isinstance(p, Int8Linear) and p.product.kernel is not None for p in parts):
+            return "products not all in int8.c (#int8 on a CPU without AVX512-VNNI?)"
+        if any(p.out_features % BLOCK for p in parts[:3] + parts[4:6]):
+            return f"projection sizes not multiples of {BLOCK}"
+    head_dim = body.layers[0].self_attn.head_dim
+    if not kernel_takes(
+        head_dim=head_dim, heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads, dtype=body.embed_tokens.weight.dtype,
+    ):  # fmt: skip
+        return "attention shapes attention.c does not take"
+    return None
+
+
+def agrees(model: PreTrainedModel, lean: LeanForward, *, length: int = 12) -> bool:
+    """Whether the lean forward's logits correlate with transformers' by CORRELATION or
+    more in every row: random tokens through transformers, then 3 more as a chain by each."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.config.vocab_size, (1, length + 3), generator=generator)
+    results = []
+    for use_lean in (False, True):
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(input_ids=tokens[:, :length], cache=cache, use_cache=True)
+            positions = torch.arange(length, length + 3)[None]
+            if use_lean:
+                logits = lean(tokens[:, length:], cache, position_ids=positions)
+            else:
+                step = model(input_ids=tokens[:, length:], position_ids=positions, cache=cache)
+                logits = step.logits
+        results.append(logits.float())
+    return bool(correlation(*results).min() >= CORRELATION)
+
+
+def correlation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Pearson correlation of a and b [..., V] along the vocabulary; [...]."""
+    a, b = a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True)
+    return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(1e-30)
+
+
+def _lean_layer(layer: torch.nn.Module) -> _Layer:
+    attention, mlp = layer.self_attn, layer.mlp
+    qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
+    return _Layer(
+        input_norm=layer.input_layernorm.weight.float(),
+        qkv=_stacked(qkv),
+        o=attention.o_proj.product,
+        post_norm=layer.post_attention_layernorm.weight.float(),
+        gate_up=_stacked((mlp.gate_proj, mlp.up_proj)),
+        down=mlp.down_proj.product,
+    )
+
+
+def _stacked(linears: tuple[Int8Linear, ...]) -> Int8Product:
+    """One product for the linears' rows stacked; each linear then reads its part of it."""
+    stacked = Int8Product.stacked([linear.product for linear in linears])
+    for linear in linears:  # their buffers now views of the stacked copy
+        linear.weight, linear.scale = linear.product.weight, linear.product.scale
+    return stacked
