@@ -133,7 +133,8 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         "N likeliest continuations), store[:FILE]+SPEC; ngram[:N]|SPEC, store[:FILE]|SPEC "
         "(SPEC mtp or mtp-tree: the copy and the heads' drafts verified as one tree); "
         "#int8 after MTP heads or a draft model: its products in int8, cheaper drafts, the "
-        "same output; #nodes=N after a draft model: a token tree of its N likeliest "
+        "same output (#int4 after a draft model: its layers in 4 bits); "
+        "#nodes=N after a draft model: a token tree of its N likeliest "
         "continuations each round, gamma deep (#nodes=auto: N from its tune profile); "
         "#min-p=P after a draft model: no deeper in a round "
         "than paths it gives probability >= P; omitted: plain decoding",

@@ -31,6 +31,7 @@ from specmtp.drafters import Drafter, LookupFirstDrafter, NgramDrafter
 from specmtp.errors import SpecMTPError
 from specmtp.heads import SequentialMTP
 from specmtp.heads_io import load_heads, shipped_heads_dir
+from specmtp.int4 import INT4, split_int4, use_int4_products
 from specmtp.int8 import INT8, split_int8, use_int8_products
 from specmtp.kernels import (
     packing_allowed,
@@ -86,7 +87,8 @@ def build_drafter(
     drafts too), and `#min-p=P` (no deeper in a round than the draft's own path
     probability >= P; draft models and shipped drafts drafting with their LM head). MTP
     heads and draft models take `#int8` among their options: int8 products, cheaper drafts
-    (int8.py). A Drafter object is used as is.
+    (int8.py); draft models `#int4`: their decoder layers in 4 bits (int4.py). A Drafter
+    object is used as is.
     """
     target_vocab = usable_vocab_size(target, target)
     if spec is None or not isinstance(spec, str):
@@ -104,12 +106,21 @@ def build_drafter(
         return build_lookup_first_drafter(spec, target, dtype=dtype)
     if spec == "store" or spec.startswith(("store:", "store+", "store#")):
         return build_store_drafter(spec, target, dtype=dtype)
+    spec, quantized = split_quantized(spec)
+    # A quantized drafter's products all become int8 or int4: packing its weights first
+    # would only hold them twice for a while (peak memory).
+    with without_packing() if quantized else nullcontext():
+        drafter, vocab = build_model_based_drafter(spec, target, dtype=dtype, quantized=quantized)
+    return (use_quantized_drafter(drafter, spec, quantized) if quantized else drafter), vocab
+
+
+def split_quantized(spec: str) -> tuple[str, str | None]:
+    """`SPEC#int8` or `SPEC#int4` -> (SPEC without it, the option); else (spec, None)."""
     spec, int8 = split_int8(spec)
-    # An int8 drafter's products all become int8: packing its weights first would only
-    # hold them twice for a while (peak memory).
-    with without_packing() if int8 else nullcontext():
-        drafter, vocab = build_model_based_drafter(spec, target, dtype=dtype, int8=int8)
-    return (use_int8_drafter(drafter, spec) if int8 else drafter), vocab
+    spec, int4 = split_int4(spec)
+    if int8 and int4:
+        raise SpecMTPError(f"bad draft spec {spec!r}: {INT8} or {INT4}, not both")
+    return spec, INT4 if int4 else INT8 if int8 else None
 
 
 # Draft models loaded within sharing_draft_models(), by what makes two loads the same model.
@@ -121,10 +132,10 @@ _SHARED_DRAFTS: ContextVar[dict[tuple[object, ...], LoadedModel] | None] = Conte
 @contextmanager
 def sharing_draft_models() -> Iterator[None]:
     """Within: a draft model given by name or path loads once for each form it is used in
-    (dtype, `#vocab=N`, `#int8`) and every drafter built from that form drafts with the same
-    weights; each drafter keeps its own caches, and drafting only reads the weights. The
-    bench builds all its methods before it runs them: without this, every `--draft` naming
-    the same 0.5B draft held its own copy (1.4 GB each in bfloat16)."""
+    (dtype, `#vocab=N`, `#int8` or `#int4`) and every drafter built from that form drafts
+    with the same weights; each drafter keeps its own caches, and drafting only reads the
+    weights. The bench builds all its methods before it runs them: without this, every
+    `--draft` naming the same 0.5B draft held its own copy (1.4 GB each in bfloat16)."""
     token = _SHARED_DRAFTS.set({})
     try:
         yield
@@ -134,7 +145,7 @@ def sharing_draft_models() -> Iterator[None]:
 
 def load_draft_model(spec: str, *, dtype: torch.dtype, form: tuple[object, ...]) -> LoadedModel:
     """load_model, or within sharing_draft_models() the model already loaded for `spec` in
-    this `form` (what the caller will change in place: the output vocabulary, int8)."""
+    this `form` (what the caller will change in place: the output vocabulary, int8 or int4)."""
     shared = _SHARED_DRAFTS.get()
     if shared is None:
         return load_model(spec, dtype=dtype)
@@ -145,7 +156,7 @@ def load_draft_model(spec: str, *, dtype: torch.dtype, form: tuple[object, ...])
 
 
 def build_model_based_drafter(
-    spec: str, target: LoadedModel, *, dtype: torch.dtype, int8: bool = False
+    spec: str, target: LoadedModel, *, dtype: torch.dtype, quantized: str | None = None
 ) -> tuple[Drafter, int]:
     """build_drafter's one-drafter specs: MTP heads, draft models and prompt lookup."""
     target_vocab = usable_vocab_size(target, target)
@@ -185,22 +196,27 @@ def build_model_based_drafter(
                            f"with heads ({DRAFT_HEADS}DIR): {spec!r}")  # fmt: skip
     return build_model_drafter(
         spec, target, dtype=dtype, output_vocab=output_vocab, heads_dir=heads_dir, nodes=nodes,
-        tuned=tuned, min_probability=min_probability or 0.0, int8=int8,
+        tuned=tuned, min_probability=min_probability or 0.0, quantized=quantized,
     )  # fmt: skip
 
 
-def use_int8_drafter(drafter: Drafter, spec: str) -> Drafter:
-    """`SPEC#int8`: the drafter's products in int8 (int8.py), its name marked so."""
+def use_quantized_drafter(drafter: Drafter, spec: str, option: str) -> Drafter:
+    """`SPEC#int8`: the drafter's products in int8 (int8.py); `SPEC#int4` (draft models): its
+    decoder layers' products in 4 bits (int4.py), the rest in int8; its name marked so."""
+    if option == INT4 and not isinstance(drafter, DraftModelDrafter):
+        raise SpecMTPError(f"{INT4} applies to draft models, not to {spec!r}")
     if isinstance(drafter, MTPDrafter):
         use_int8_products(drafter.heads)
     elif isinstance(drafter, DraftModelDrafter):
+        if option == INT4:
+            use_int4_products(drafter.runner.model)
         use_int8_products(drafter.runner.model)
         drafter.runner.lean = lean_forward(drafter.runner.model)
         if drafter.heads is not None:  # heads trained on it (#heads=DIR): not inside the model
             use_int8_products(drafter.heads)
     else:
         raise SpecMTPError(f"{INT8} applies to MTP heads and draft models, not to {spec!r}")
-    drafter.name = f"{drafter.name}{INT8}"
+    drafter.name = f"{drafter.name}{option}"
     return drafter
 
 
@@ -214,17 +230,18 @@ def build_model_drafter(
     nodes: int | None = None,
     tuned: bool = False,
     min_probability: float = 0.0,
-    int8: bool = False,
+    quantized: str | None = None,
 ) -> tuple[DraftModelDrafter, int]:
     """A causal LM with the target's tokenizer, given by name or path, drafting on its own
     or, with `heads_dir`, with MTP heads trained on it (several tokens a forward); with
     `nodes`, a token tree of that many nodes a round (`tuned`: as many as its tuning
     profile gives); drafting no further in a round than paths of at least
-    `min_probability`. `int8`: the caller makes its products int8 (use_int8_drafter).
+    `min_probability`. `quantized` (`#int8`, `#int4`): the caller quantizes its products
+    (use_quantized_drafter).
     Within sharing_draft_models(), drafters of the same model in the same form share it,
     unless heads are trained on it (they may hold its LM head)."""
     if heads_dir is None:
-        draft = load_draft_model(spec, dtype=dtype, form=(output_vocab, int8))
+        draft = load_draft_model(spec, dtype=dtype, form=(output_vocab, quantized))
     else:
         draft = load_model(spec, dtype=dtype)
     check_tokenizers_agree(

@@ -42,6 +42,7 @@ from torch import nn
 from specmtp import native
 from specmtp.errors import SpecMTPError
 from specmtp.heads import VocabProjection
+from specmtp.specs import split_flag
 
 INT8 = "#int8"  # the draft spec option
 BLOCK = 16  # int8.c's output rows per block
@@ -223,10 +224,4 @@ def _quantize_projection(projection: VocabProjection) -> None:
 def split_int8(spec: str) -> tuple[str, bool]:
     """`SPEC#int8` (the option anywhere among SPEC's `#` options) -> (SPEC without it, True);
     a spec without it -> (spec, False)."""
-    name, *options = spec.split("#")
-    if INT8[1:] not in options:
-        return spec, False
-    if not name:
-        raise SpecMTPError(f"bad draft spec {spec!r}: {INT8} follows a drafter's name")
-    options.remove(INT8[1:])
-    return "#".join([name, *options]), True
+    return split_flag(spec, INT8)

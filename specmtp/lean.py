@@ -1,4 +1,5 @@
-"""A lean decode-step forward for `#int8` draft models of the Llama and Qwen2 families.
+"""A lean decode-step forward for `#int8` and `#int4` draft models of the Llama and Qwen2
+families.
 
 A draft step of the Qwen2.5 0.5B draft (1 row, bfloat16, int8 products, 2 threads, this
 Intel Xeon) took 44 ms through transformers' forward, of which its int8 products were 27
@@ -35,28 +36,35 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from specmtp import native
+from specmtp.int4 import Int4Linear, Int4Product
 from specmtp.int8 import BLOCK, Int8Linear, Int8Product
 from specmtp.invariant import MAX_LOOP_ROWS, _native_attention, kernel_takes
 
 ENABLE = "SPECMTP_LEAN"
 FAMILIES = ("llama", "qwen2")
 # The least correlation of a probe row's logits with transformers' that passes. Rounding
-# differs (float32 here), and each int8 product rounds its input row to 8 bits, so a small
-# change can move an input by a step: the Qwen2.5 0.5B draft's rows correlate 0.994-0.999
-# with transformers' (its max difference near a third of the logits' spread), while an
-# attention scale 1.5 times too large gives 0.94-0.98 and one layer's norm weights
-# reversed 0.72-0.77 (random-token probes, 3 seeds).
+# differs (float32 here), and each int8 or int4 product rounds its input row to 8 bits, so a
+# small change can move an input by a step: the Qwen2.5 0.5B draft's rows correlate
+# 0.995-0.997 with transformers' in int8 and 0.994-0.997 in int4, while an attention scale
+# 1.5 times too large gives 0.97-0.985 and one layer's norm weights reversed 0.70-0.87
+# (random-token probes, 3 rows). Compared layer by layer instead (each fed transformers'
+# input), the same bugs were harder to tell from rounding: a layer's change of the states
+# differed by up to 19% with no bug (rows whose range one large value sets round coarsely).
 CORRELATION = 0.99
+
+
+Product = Int8Product | Int4Product
+_FLOAT32 = torch.empty(0)  # the rotary embedding reads its input's dtype and device only
 
 
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [hidden] float32
-    qkv: Int8Product  # q, k and v stacked: [(heads + 2 kv_heads) * d, hidden]
-    o: Int8Product
+    qkv: Product  # q, k and v stacked: [(heads + 2 kv_heads) * d, hidden]
+    o: Product
     post_norm: torch.Tensor  # [hidden] float32
-    gate_up: Int8Product  # gate and up stacked: [2 * intermediate, hidden]
-    down: Int8Product
+    gate_up: Product  # gate and up stacked: [2 * intermediate, hidden]
+    down: Product
 
 
 class LeanForward:
@@ -101,29 +109,52 @@ class LeanForward:
         float32 ([1, 1, V] with last_only). The mask as CachedModel.forward takes it."""
         x = self.embed(tokens[0]).float()  # [n, hidden], the residual stream
         h = torch.empty_like(x)  # [n, hidden], the normed stream the products read
-        cos, sin = (t[0].contiguous() for t in self.rotary(x[None], position_ids))  # [n, d]
-        n, heads, kv_heads, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        kv_dtype = self.embed.weight.dtype
+        rotary = self.rotary_tables(position_ids)
         delta = None  # the MLP's output, added to x by the next norm
-        for index, layer in enumerate(self.layers):
-            self._add_norm(x, delta, layer.input_norm, h)
-            qkv = layer.qkv(h)  # [n, (H + 2 Hkv) d]
-            q = torch.empty(n, heads, d)  # [n, H, d]
-            k = torch.empty(1, kv_heads, n, d, dtype=kv_dtype)  # [1, Hkv, n, d]
-            v = torch.empty_like(k)
-            self.rotate(
-                qkv.data_ptr(), n, heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(),
-                q.data_ptr(), k.data_ptr(), v.data_ptr(), int(kv_dtype == torch.bfloat16),
-            )  # fmt: skip
-            keys, values = cache.update(k, v, index)  # [1, Hkv, S, d]
-            query = q.transpose(0, 1)[None]  # [1, H, n, d]
-            out = _native_attention(self.attend, query, keys, values, attention_mask, self.scale)
-            self._add_norm(x, layer.o(out.view(n, heads * d)), layer.post_norm, h)
-            gate_up = layer.gate_up(h)  # [n, 2 I]
-            gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
-            delta = layer.down(F.silu(gate) * up)
+        for index in range(len(self.layers)):
+            delta = self.layer_step(index, x, delta, h, rotary, cache, attention_mask)
         self._add_norm(x, delta, self.final_norm, h)
         return self.lm_head(h[-1:] if last_only else h)[None]
+
+    def rotary_tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [n, d] float32 at position_ids [1, n], from the model's own rotary
+        embedding (its scaling included)."""
+        cos, sin = self.rotary(_FLOAT32, position_ids)  # [1, n, d]
+        return cos[0].contiguous(), sin[0].contiguous()
+
+    def layer_step(
+        self,
+        index: int,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        h: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        cache: DynamicCache,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Decoder layer `index` on the residual stream x [n, hidden] (float32, updated in
+        place), the previous layer's MLP output `delta` added first; h [n, hidden] scratch.
+        Returns this layer's MLP output [n, hidden] (not yet added to x)."""
+        layer, n = self.layers[index], x.shape[0]
+        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
+        kv_dtype = self.embed.weight.dtype
+        self._add_norm(x, delta, layer.input_norm, h)
+        qkv = layer.qkv(h)  # [n, (H + 2 Hkv) d]
+        q = torch.empty(n, heads, d)  # [n, H, d]
+        k = torch.empty(1, kv_heads, n, d, dtype=kv_dtype)  # [1, Hkv, n, d]
+        v = torch.empty_like(k)
+        cos, sin = rotary
+        self.rotate(
+            qkv.data_ptr(), n, heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(),
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), int(kv_dtype == torch.bfloat16),
+        )  # fmt: skip
+        keys, values = cache.update(k, v, index)  # [1, Hkv, S, d]
+        query = q.transpose(0, 1)[None]  # [1, H, n, d]
+        out = _native_attention(self.attend, query, keys, values, attention_mask, self.scale)
+        self._add_norm(x, layer.o(out.view(n, heads * d)), layer.post_norm, h)
+        gate_up = layer.gate_up(h)  # [n, 2 I]
+        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
+        return layer.down(F.silu(gate) * up)
 
     def _add_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor
@@ -172,8 +203,10 @@ def unsupported(model: PreTrainedModel) -> str | None:
         attention, mlp = layer.self_attn, layer.mlp
         parts = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj]
         parts += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if not all(isinstance(p, Int8Linear) and p.product.kernel is not None for p in parts):
-            return "products not all in int8.c (#int8 on a CPU without AVX512-VNNI?)"
+        if not all(
+            isinstance(p, Int8Linear | Int4Linear) and p.product.kernel is not None for p in parts
+        ):
+            return "products not all in int8.c or int4.c (#int8 on a CPU without AVX512-VNNI?)"
         if any(p.out_features % BLOCK for p in parts[:3] + parts[4:6]):
             return f"projection sizes not multiples of {BLOCK}"
     head_dim = body.layers[0].self_attn.head_dim
@@ -224,9 +257,11 @@ def _lean_layer(layer: torch.nn.Module) -> _Layer:
     )
 
 
-def _stacked(linears: tuple[Int8Linear, ...]) -> Int8Product:
+def _stacked(linears: tuple[Int8Linear | Int4Linear, ...]) -> Product:
     """One product for the linears' rows stacked; each linear then reads its part of it."""
-    stacked = Int8Product.stacked([linear.product for linear in linears])
-    for linear in linears:  # their buffers now views of the stacked copy
-        linear.weight, linear.scale = linear.product.weight, linear.product.scale
+    products = [linear.product for linear in linears]
+    stacked = type(products[0]).stacked(products)
+    for linear in linears:  # their buffers (the product's tensors) now views of the stacked copy
+        for name, _ in list(linear.named_buffers(recurse=False)):
+            setattr(linear, name, getattr(linear.product, name))
     return stacked

@@ -1,4 +1,4 @@
-"""The C kernels (attention.c, int8.c, lean.c), compiled here once per machine.
+"""The C kernels (attention.c, int8.c, int4.c, lean.c), compiled here once per machine.
 
 invariant.py needs every query row's attention to get the bits a one-token step gives it.
 In torch that means one pair of products per row and layer, whose calls cost more than
@@ -37,6 +37,7 @@ import torch
 SOURCE = Path(__file__).with_name("attention.c")
 INT8_SOURCE = Path(__file__).with_name("int8.c")
 LEAN_SOURCE = Path(__file__).with_name("lean.c")
+INT4_SOURCE = Path(__file__).with_name("int4.c")
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off", "-fno-fast-math")
 ENABLE = "SPECMTP_NATIVE"  # "0": attention in torch, int8 products in fbgemm, no compiling
 # What attention.c takes (its LANES and MAX_D): head size a multiple of KERNEL_LANES, at
@@ -60,6 +61,10 @@ _ROTARY_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, cty
 _ROTARY_ARGS += [ctypes.c_void_p] * 5 + [ctypes.c_int]
 _NORM_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 _NORM_ARGS += [ctypes.c_float, ctypes.c_void_p]
+# specmtp_int4_linear's arguments: x, x in bfloat16, m, k; records, n, C, bias (or NULL);
+# y, threads
+_INT4_ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+_INT4_ARGS += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
 BUILD_TIMEOUT_S = 120
 
 
@@ -99,6 +104,19 @@ def int8_kernel() -> ctypes._CFuncPtr | None:
         return None
     function = library.specmtp_int8_linear
     function.argtypes = _INT8_ARGS
+    function.restype = ctypes.c_int
+    return function
+
+
+@cache
+def int4_kernel() -> ctypes._CFuncPtr | None:
+    """specmtp_int4_linear from the compiled int4.c (`#int4` drafts, int4.py), or None where
+    there is none: as int8_kernel."""
+    library = _library(INT4_SOURCE, (*FLAGS, "-fopenmp"))
+    if library is None or not library.specmtp_int4_vnni():
+        return None
+    function = library.specmtp_int4_linear
+    function.argtypes = _INT4_ARGS
     function.restype = ctypes.c_int
     return function
 

@@ -22,6 +22,18 @@ DRAFT_HEADS = "#heads="
 MIN_PROBABILITY = "#min-p="
 
 
+def split_flag(spec: str, option: str) -> tuple[str, bool]:
+    """`SPEC#flag` (`option` "#flag", anywhere among SPEC's `#` options) -> (SPEC without
+    it, True); a spec without it -> (spec, False)."""
+    name, *options = spec.split("#")
+    if option[1:] not in options:
+        return spec, False
+    if not name:
+        raise SpecMTPError(f"bad draft spec {spec!r}: {option} follows a drafter's name")
+    options.remove(option[1:])
+    return "#".join([name, *options]), True
+
+
 def split_count(spec: str, option: str, usage: str) -> tuple[str, int | None]:
     """`BASE{option}N` -> (BASE, N) with N >= 1; a spec without the option -> (spec, None).
     `usage` is how the option is written, for the error message."""

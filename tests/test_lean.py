@@ -226,7 +226,7 @@ def test_drafting_with_it_keeps_greedy_output(
     target = load_model(str(lean_target), dtype=dtype)
     prompt = torch.randint(100, 5000, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     expected = SpecGenerator(target).generate(prompt, max_new_tokens=30).tokens
-    for spec in ("#int8#nodes=4", "#int8"):
+    for spec in ("#int8#nodes=4", "#int8", "#int4#nodes=4"):
         accepted = {}
         for enabled in ("1", "0"):
             monkeypatch.setenv("SPECMTP_LEAN", enabled)
