@@ -1,12 +1,13 @@
 """Where a draft step's time goes, through transformers' forward and through lean.py's.
 
 Loads a draft model (default: the Qwen2.5-Coder 0.5B GGUF of scripts/fetch_qwen_pair.py's
-cache) in bfloat16 with `#int8` products, feeds a 200-token random context, then times
-one-row and four-row steps (median of 12) both ways, with the time inside the int8 products
-and the modules of transformers' forward summed separately (nested: a layer holds its
-attention, its MLP and its norms). Not a test: run it by hand.
+cache) in bfloat16 with `#int8` products (`--int4`: its layers in 4 bits), feeds a
+200-token random context, then times one-row and four-row steps (median of 12) both ways,
+with the time inside the int8 (and int4) products and the modules of transformers' forward
+summed separately (nested: a layer holds its attention, its MLP and its norms). Not a
+test: run it by hand.
 
-    python scripts/lean_profile.py [--model PATH] [--threads 2]
+    python scripts/lean_profile.py [--model PATH] [--threads 2] [--int4]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from specmtp import int8
+from specmtp import int4, int8
 from specmtp.lean import lean_forward
 from specmtp.models import load_model
 
@@ -44,6 +45,7 @@ def timed_methods(totals: dict[str, float], model: nn.Module) -> None:
         setattr(owner, attribute, timed)
 
     wrap(int8.Int8Product, "__call__", "int8 products")
+    wrap(int4.Int4Product, "__call__", "int4 products")
     layer = model.model.layers[0]
     for module, name in [
         (layer, "decoder layers"),
@@ -74,9 +76,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=os.path.expanduser(DEFAULT))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--int4", action="store_true", help="the decoder layers in 4 bits")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = int8.use_int8_products(load_model(args.model, dtype=torch.bfloat16).model)
+    model = load_model(args.model, dtype=torch.bfloat16).model
+    if args.int4:
+        int4.use_int4_products(model)
+    int8.use_int8_products(model)
     lean = lean_forward(model)
     if lean is None:
         raise SystemExit("the lean forward does not take this model here")
