@@ -1,15 +1,15 @@
-/* 4-bit products for draft models: y = x @ W^T + bias with W in 4 bits, one scale and one
-minimum per 32 inputs of an output row, and each row of x quantized to 8 bits by its own
+/* 4-bit products for draft models: y = x @ W^T + bias with W in 4 bits, one step and one
+midpoint per 32 inputs of an output row, and each row of x quantized to 8 bits by its own
 range at each call (as int8.c). A draft step's cost is the bytes of weights it reads; 4-bit
-weights with their fp16 scales and minimums read 0.625 bytes a weight against int8's 1.
+weights with their fp16 steps and midpoints read 0.625 bytes a weight against int8's 1.
 
 Weights: W[n][c] ~ a[n][g] * (q[n][c] - 8) + b[n][g], q in 0 .. 15, g = c / 32 (GROUP_SIZE):
 b is the group's midpoint, so the weights the inputs meet, q - 8, are centred (an input's
 rounding error then meets weights of both signs, as in int8.c, rather than all positive
-ones, which made every such error count). With
-AVX512-VNNI, vpdpbusd multiplies 4 u8 inputs by 4 s8 weights for 16 output rows at once, so
-q is stored interleaved as int8.c stores its weights, two 4-input steps per 64-byte vector
-(low and high nibbles), and each (block of 16 rows, group) is one record:
+ones, which made every such error count). With AVX512-VNNI, vpdpbusd multiplies 4 u8
+inputs by 4 s8 weights for 16 output rows at once, so q is stored interleaved as int8.c
+stores its weights, two 4-input steps per 64-byte vector (low and high nibbles), and each
+(block of 16 rows, group) is one record:
 
     record[block][g] = 4 x 64 bytes of nibbles (q), then a[16] and b[16] as fp16 (320 bytes)
     nibble byte jj * 64 + r * 4 + t: low = q[16 block + r][32 g + 8 jj + t],

@@ -9,7 +9,9 @@ int4.c's (AVX512-VNNI): each input row quantized to 8 bits by its own range, as 
 What changes is the draft's logits, by a coarser rounding than int8's: drafts may be
 accepted less often; greedy output stays token-identical to plain decoding and sampling
 stays lossless, as for every drafter. A GGUF draft stored in Q4_K (4 bits, a scale and a
-minimum per 32 weights) is near its own grid here: the 0.5B Qwen draft's Q4_K_M file.
+minimum per 32 weights, as the 0.5B Qwen draft's Q4_K_M file mostly is) already lies on a
+4-bit grid per group; ours is that grid where a group uses both ends of its range (how
+often it does was not measured).
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from specmtp.specs import split_flag
 
 INT4 = "#int4"  # the draft spec option
 BLOCK = 16  # output rows per record (int4.c)
-GROUP_SIZE = 32  # inputs per scale and minimum
+GROUP_SIZE = 32  # inputs per step and midpoint
 LEVELS = 15  # q in 0 .. LEVELS
 
 
 class Int4Product:
-    """x @ W^T + b with W in 4 bits (a scale and a minimum per GROUP_SIZE inputs of a row),
+    """x @ W^T + b with W in 4 bits (a step and a midpoint per GROUP_SIZE inputs of a row),
     x quantized per row and call; int4.c's product, the result in x's dtype."""
 
     def __init__(
