@@ -164,7 +164,7 @@ def _hf_runner(name: str, gamma: str, target: LoadedModel, *, gamma_given: bool)
         if not argument:
             raise SpecMTPError("hf-assisted needs its assistant: hf-assisted:MODEL")
         # The same weights as a `--draft` of this model in its plain form, if the bench has one.
-        assistant = load_draft_model(argument, dtype=target.model.dtype, form=(None, False)).model
+        assistant = load_draft_model(argument, dtype=target.model.dtype, form=(None, None)).model
         return HFRunner(HFGenerator(target.model, settings=settings, assistant=assistant,
                                     eos_token_ids=eos), schedule)  # fmt: skip
     if method == "hf-prompt-lookup":
