@@ -43,88 +43,117 @@ int specmtp_int4_vnni(void) {
 #define BLOCK 16
 #define GROUP_SIZE 32
 #define RECORD 320 /* bytes of a (block, group) record */
-#define ROWS 2 /* input rows per pass over a tile's weights */
-#define TILE 4 /* blocks side by side: 4 x 2 int sums and 4 x 2 float sums in registers */
+/* Rows of x a pass over a tile's weights serves, and the blocks side by side in a tile:
+with one or two rows 4 blocks (8 int and 8 float sums in registers), with more 2 blocks and
+4 rows (again 8 and 8), so that a row pass unpacks each weight vector for 4 rows, not 2. */
+#define NARROW_ROWS 2
+#define NARROW_TILE 4
+#define WIDE_ROWS 4
+#define WIDE_TILE 2
+#define MOST 4 /* the most rows or blocks of either shape */
 
-static float input(const void *x, int bf16, int64_t i) {
+/* 16 inputs from x[i ..] as floats. */
+static inline __m512 inputs16(const void *x, int bf16, int64_t i) {
     if (!bf16)
-        return ((const float *)x)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
+        return _mm512_loadu_ps((const float *)x + i);
+    __m256i halves = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
 
-static void store(void *y, int bf16, int64_t i, float value) {
+/* y[row][o0 .. o0 + count) = step * sums + low * C + bias for the 16 sums at `sums`,
+rounded to bfloat16 (to nearest, ties to even) where y is. */
+static inline void store16(void *y, int bf16, int64_t at, int count, __m512 sums, float step,
+                           float low, const float *qsums, const float *bias) {
+    __mmask16 mask = (__mmask16)(count >= 16 ? 0xFFFF : (1u << count) - 1u);
+    __m512 dot = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(step), sums),
+                               _mm512_mul_ps(_mm512_set1_ps(low), _mm512_maskz_loadu_ps(mask, qsums)));
+    if (bias)
+        dot = _mm512_add_ps(dot, _mm512_maskz_loadu_ps(mask, bias));
     if (!bf16) {
-        ((float *)y)[i] = value;
+        _mm512_mask_storeu_ps((float *)y + at, mask, dot);
         return;
     }
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    ((uint16_t *)y)[i] = (uint16_t)(bits >> 16);
+    __m512i bits = _mm512_castps_si512(dot);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    _mm256_mask_storeu_epi16((uint16_t *)y + at, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
 }
 
-/* Row i of x as u8 with its low and step (as int8.c's), and its sums per group over step. */
+/* Row i of x as u8 with its low and step (as int8.c's), and per group its sum over step
+and the sum of its u. */
 static void quantize_row(const void *x, int bf16, int64_t i, int64_t k, uint8_t *u, float *low,
-                         float *step, float *group_sums) {
-    float lo = INFINITY, hi = -INFINITY;
-    for (int64_t c = 0; c < k; c++) {
-        float v = input(x, bf16, i * k + c);
-        lo = v < lo ? v : lo;
-        hi = v > hi ? v : hi;
+                         float *step, float *group_sums, int32_t *u_sums) {
+    const void *row = bf16 ? (const void *)((const uint16_t *)x + i * k)
+                           : (const void *)((const float *)x + i * k);
+    __m512 lo16 = _mm512_set1_ps(INFINITY), hi16 = _mm512_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < k; c += 16) {
+        __m512 v = inputs16(row, bf16, c);
+        lo16 = _mm512_min_ps(lo16, v);
+        hi16 = _mm512_max_ps(hi16, v);
     }
+    float lo = _mm512_reduce_min_ps(lo16), hi = _mm512_reduce_max_ps(hi16);
     float s = (hi - lo) / 255.0f;
     if (!(s > 0.0f))
         s = 1.0f;
+    const __m512 low16 = _mm512_set1_ps(lo), step16 = _mm512_set1_ps(s);
+    const __m512 zero = _mm512_setzero_ps(), most = _mm512_set1_ps(255.0f);
     for (int64_t g = 0; g < k / GROUP_SIZE; g++) {
-        float sum = 0.0f;
-        for (int64_t c = g * GROUP_SIZE; c < (g + 1) * GROUP_SIZE; c++) {
-            float v = input(x, bf16, i * k + c);
-            float q = rintf((v - lo) / s);
-            u[c] = (uint8_t)(q < 0.0f ? 0.0f : (q > 255.0f ? 255.0f : q));
-            sum += v;
+        __m512 sum = zero;
+        __m512i count = _mm512_setzero_si512();
+        for (int half = 0; half < 2; half++) {
+            int64_t c = g * GROUP_SIZE + half * 16;
+            __m512 v = inputs16(row, bf16, c);
+            __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(v, low16), step16),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512i whole = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, zero), most));
+            _mm_storeu_si128((__m128i *)(u + c), _mm512_cvtepi32_epi8(whole));
+            count = _mm512_add_epi32(count, whole);
+            sum = _mm512_add_ps(sum, v);
         }
-        group_sums[g] = sum / s; /* X / step: tile_sums adds it inside the step's product */
+        group_sums[g] = _mm512_reduce_add_ps(sum) / s; /* X / step: tile_sums adds it inside */
+        u_sums[g] = _mm512_reduce_add_epi32(count);
     }
     *low = lo;
     *step = s;
 }
 
-/* For `width` blocks from `records` and `rows` input rows: sums[b][i][r] = sum_g a * S +
-b * X / step, so that step * sums is the dot product less low * C. Constants after
-inlining, so the sums stay in registers. */
+/* For `width` blocks from `records` (their groups `stride` records apart) and `rows` input
+rows: sums[b][i][r] = sum_g a * S + b * X / step, so that step * sums is the dot product less
+low * C. The nibbles q (0 .. 15) are multiplied as they are, and S = sum u * q - 8 * sum u.
+Constants after inlining, so the sums stay in registers. */
 static inline __attribute__((always_inline)) void tile_sums(const uint8_t *u, int64_t k,
                                                             const float *group_sums,
+                                                            const int32_t *u_sums,
                                                             const uint8_t *records, int rows,
                                                             int width, float *sums) {
     int64_t groups = k / GROUP_SIZE;
-    __m512 scaled[TILE][ROWS];
+    __m512 scaled[MOST][MOST];
     for (int b = 0; b < width; b++)
         for (int i = 0; i < rows; i++)
             scaled[b][i] = _mm512_setzero_ps();
-    const __m512i nibble = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int64_t g = 0; g < groups; g++) {
-        __m512i acc[TILE][ROWS];
+        __m512i acc[MOST][MOST];
         for (int b = 0; b < width; b++)
             for (int i = 0; i < rows; i++)
                 acc[b][i] = _mm512_setzero_si512();
         for (int jj = 0; jj < 4; jj++) {
-            int32_t first[ROWS], second[ROWS];
+            __m512i first[MOST], second[MOST];
             for (int i = 0; i < rows; i++) {
                 const uint8_t *at = u + i * k + g * GROUP_SIZE + jj * 8;
-                memcpy(first + i, at, sizeof first[i]);
-                memcpy(second + i, at + 4, sizeof second[i]);
+                int32_t four[2];
+                memcpy(four, at, sizeof four);
+                first[i] = _mm512_set1_epi32(four[0]);
+                second[i] = _mm512_set1_epi32(four[1]);
             }
             for (int b = 0; b < width; b++) {
                 __m512i v = _mm512_loadu_si512(
                     (const void *)(records + (b * groups + g) * RECORD + jj * 64));
-                __m512i lo = _mm512_sub_epi8(_mm512_and_si512(v, nibble), eight);
-                __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), eight);
+                __m512i lo = _mm512_and_si512(v, nibble);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
                 for (int i = 0; i < rows; i++) {
-                    acc[b][i] = _mm512_dpbusd_epi32(acc[b][i], _mm512_set1_epi32(first[i]), lo);
-                    acc[b][i] = _mm512_dpbusd_epi32(acc[b][i], _mm512_set1_epi32(second[i]), hi);
+                    acc[b][i] = _mm512_dpbusd_epi32(acc[b][i], first[i], lo);
+                    acc[b][i] = _mm512_dpbusd_epi32(acc[b][i], second[i], hi);
                 }
             }
         }
@@ -133,73 +162,96 @@ static inline __attribute__((always_inline)) void tile_sums(const uint8_t *u, in
             __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
             __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)));
             for (int i = 0; i < rows; i++) {
+                __m512i exact = _mm512_sub_epi32(acc[b][i], _mm512_set1_epi32(8 * u_sums[i * groups + g]));
                 __m512 x = _mm512_set1_ps(group_sums[i * groups + g]);
                 scaled[b][i] = _mm512_fmadd_ps(x, m, scaled[b][i]);
-                scaled[b][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[b][i]), a, scaled[b][i]);
+                scaled[b][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), a, scaled[b][i]);
             }
         }
     }
     for (int b = 0; b < width; b++)
         for (int i = 0; i < rows; i++)
-            _mm512_storeu_ps(sums + (b * ROWS + i) * BLOCK, scaled[b][i]);
+            _mm512_storeu_ps(sums + (b * MOST + i) * BLOCK, scaled[b][i]);
 }
 
 #define ROWS_CASE(width, rows)                                                            \
     case rows:                                                                           \
-        tile_sums(u, k, group_sums, records, rows, width, sums);                         \
+        tile_sums(u, k, group_sums, u_sums, records, rows, width, sums);                 \
         break;
-#define WIDTH_CASE(width)                                                                 \
+#define NARROW_CASE(width)                                                                \
     case width:                                                                          \
         switch (rows) {                                                                  \
             ROWS_CASE(width, 1)                                                          \
             ROWS_CASE(width, 2)                                                          \
         }                                                                                \
         break;
+#define WIDE_CASE(width)                                                                  \
+    case width:                                                                          \
+        switch (rows) {                                                                  \
+            ROWS_CASE(width, 1)                                                          \
+            ROWS_CASE(width, 2)                                                          \
+            ROWS_CASE(width, 3)                                                          \
+            ROWS_CASE(width, 4)                                                          \
+        }                                                                                \
+        break;
 
+/* tile_sums with its rows and width as constants: a narrow tile's (1 .. 4 blocks, 1 .. 2
+rows) or a wide pass's (1 .. 2 blocks, 1 .. 4 rows). */
 static void sums_of(const uint8_t *u, int64_t k, const float *group_sums,
-                    const uint8_t *records, int rows, int width, float *sums) {
+                    const int32_t *u_sums, const uint8_t *records, int wide, int rows,
+                    int width, float *sums) {
+    if (wide) {
+        switch (width) {
+            WIDE_CASE(1)
+            WIDE_CASE(2)
+        }
+        return;
+    }
     switch (width) {
-        WIDTH_CASE(1)
-        WIDTH_CASE(2)
-        WIDTH_CASE(3)
-        WIDTH_CASE(4)
+        NARROW_CASE(1)
+        NARROW_CASE(2)
+        NARROW_CASE(3)
+        NARROW_CASE(4)
     }
 }
 
 int specmtp_int4_linear(const void *x, int bf16, int64_t m, int64_t k, const uint8_t *records,
                         int64_t n, const float *qsums, const float *bias, void *y, int threads) {
     int64_t groups = k / GROUP_SIZE, blocks = (n + BLOCK - 1) / BLOCK;
-    int64_t tiles = (blocks + TILE - 1) / TILE;
+    int wide = m > NARROW_ROWS;
+    int64_t tile = wide ? WIDE_TILE : NARROW_TILE, pass = wide ? WIDE_ROWS : NARROW_ROWS;
+    int64_t tiles = (blocks + tile - 1) / tile;
     uint8_t *u = aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
     float *low = malloc(sizeof(float) * (size_t)m), *step = malloc(sizeof(float) * (size_t)m);
     float *group_sums = malloc(sizeof(float) * (size_t)(m * groups));
-    if (!u || !low || !step || !group_sums) {
-        free(u), free(low), free(step), free(group_sums);
+    int32_t *u_sums = malloc(sizeof(int32_t) * (size_t)(m * groups));
+    if (!u || !low || !step || !group_sums || !u_sums) {
+        free(u), free(low), free(step), free(group_sums), free(u_sums);
         return 1;
     }
     for (int64_t i = 0; i < m; i++)
-        quantize_row(x, bf16, i, k, u + i * k, low + i, step + i, group_sums + i * groups);
+        quantize_row(x, bf16, i, k, u + i * k, low + i, step + i, group_sums + i * groups,
+                     u_sums + i * groups);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < tiles; t++) {
-        float sums[TILE * ROWS * BLOCK];
-        int width = blocks - t * TILE < TILE ? (int)(blocks - t * TILE) : TILE;
-        for (int64_t i0 = 0; i0 < m; i0 += ROWS) {
-            int rows = m - i0 < ROWS ? (int)(m - i0) : ROWS;
-            sums_of(u + i0 * k, k, group_sums + i0 * groups,
-                    records + t * TILE * groups * RECORD, rows, width, sums);
-            for (int b = 0; b < width; b++)
-                for (int i = 0; i < rows; i++)
-                    for (int r = 0; r < BLOCK; r++) {
-                        int64_t o = (t * TILE + b) * BLOCK + r, row = i0 + i;
-                        if (o >= n)
-                            break;
-                        int64_t at = (b * ROWS + i) * BLOCK + r;
-                        float dot = step[row] * sums[at] + low[row] * qsums[o];
-                        store(y, bf16, row * n + o, dot + (bias ? bias[o] : 0.0f));
-                    }
+        float sums[MOST * MOST * BLOCK];
+        int width = blocks - t * tile < tile ? (int)(blocks - t * tile) : (int)tile;
+        for (int64_t i0 = 0; i0 < m; i0 += pass) {
+            int rows = m - i0 < pass ? (int)(m - i0) : (int)pass;
+            sums_of(u + i0 * k, k, group_sums + i0 * groups, u_sums + i0 * groups,
+                    records + t * tile * groups * RECORD, wide, rows, width, sums);
+            for (int b = 0; b < width; b++) {
+                int64_t o = (t * tile + b) * BLOCK;
+                int count = n - o < BLOCK ? (int)(n - o) : BLOCK;
+                for (int i = 0; i < rows; i++) {
+                    int64_t row = i0 + i;
+                    store16(y, bf16, row * n + o, count, _mm512_loadu_ps(sums + (b * MOST + i) * BLOCK),
+                            step[row], low[row], qsums + o, bias ? bias + o : NULL);
+                }
+            }
         }
     }
-    free(u), free(low), free(step), free(group_sums);
+    free(u), free(low), free(step), free(group_sums), free(u_sums);
     return 0;
 }
 

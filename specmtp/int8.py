@@ -153,19 +153,27 @@ class Int8Product:
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _native(self, x: torch.Tensor) -> torch.Tensor:
-        bf16 = x.dtype == torch.bfloat16
         rows = x.reshape(-1, x.shape[-1])  # [M, in]
-        rows = (rows if bf16 else rows.float()).contiguous()
+        rows = (rows if x.dtype == torch.bfloat16 else rows.float()).contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)  # [M, out]
+        self.into(rows, out)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def into(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """out [M, out] = the product of rows [M, in]; both contiguous, both float32 or both
+        bfloat16 (lean.py's forward keeps its outputs from step to step)."""
+        if self.kernel is None:
+            out.copy_(self(rows))
+            return
         failed = self.kernel(
-            rows.data_ptr(), int(bf16), rows.shape[0], self.in_features,
-            self.packed.data_ptr(), self.out_features, self.padded_scale.data_ptr(),
-            self.wsum.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
-            out.data_ptr(), torch.get_num_threads(),
+            rows.data_ptr(), int(rows.dtype == torch.bfloat16), rows.shape[0],
+            self.in_features, self.packed.data_ptr(), self.out_features,
+            self.padded_scale.data_ptr(), self.wsum.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
+            torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise MemoryError(f"int8 product of {rows.shape[0]} rows: out of memory")
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
 def interleave(weight: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -61,6 +62,7 @@ _ROTARY_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, cty
 _ROTARY_ARGS += [ctypes.c_void_p] * 5 + [ctypes.c_int]
 _NORM_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 _NORM_ARGS += [ctypes.c_float, ctypes.c_void_p]
+_SILU_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 # specmtp_int4_linear's arguments: x, x in bfloat16, m, k; records, n, C, bias (or NULL);
 # y, threads
 _INT4_ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
@@ -121,17 +123,27 @@ def int4_kernel() -> ctypes._CFuncPtr | None:
     return function
 
 
+class LeanKernels(NamedTuple):
+    """lean.c's steps (lean.py's draft forward)."""
+
+    rotary: ctypes._CFuncPtr  # specmtp_split_rotary
+    norm: ctypes._CFuncPtr  # specmtp_add_rms_norm
+    silu_mul: ctypes._CFuncPtr  # specmtp_silu_mul
+
+
 @cache
-def lean_kernels() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
-    """(specmtp_split_rotary, specmtp_add_rms_norm) from the compiled lean.c (lean.py's
-    draft forward), or None where there is none (no compiler, or SPECMTP_NATIVE=0)."""
+def lean_kernels() -> LeanKernels | None:
+    """The compiled lean.c's steps, or None where there are none (no compiler, or
+    SPECMTP_NATIVE=0)."""
     library = _library(LEAN_SOURCE, FLAGS)
     if library is None:
         return None
-    rotary, norm = library.specmtp_split_rotary, library.specmtp_add_rms_norm
-    rotary.argtypes, norm.argtypes = _ROTARY_ARGS, _NORM_ARGS
-    rotary.restype = norm.restype = None
-    return rotary, norm
+    kernels = LeanKernels(
+        library.specmtp_split_rotary, library.specmtp_add_rms_norm, library.specmtp_silu_mul
+    )
+    for function, arguments in zip(kernels, (_ROTARY_ARGS, _NORM_ARGS, _SILU_ARGS), strict=True):
+        function.argtypes, function.restype = arguments, None
+    return kernels
 
 
 def _library(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:

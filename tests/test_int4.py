@@ -47,7 +47,7 @@ def reference(x: torch.Tensor, product: Int4Product, weight_rows: int) -> torch.
 
 
 @pytest.mark.parametrize("n", [16, 48, 40])
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 37])
 def test_product_equals_its_float64_reference(n: int, rows: int) -> None:
     generator = torch.Generator().manual_seed(n * 10 + rows)
     weight = torch.randn(n, 96, generator=generator) * 0.1

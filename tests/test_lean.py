@@ -138,7 +138,7 @@ def test_agrees_refuses_a_wrong_forward() -> None:
 
 
 def test_add_rms_norm_against_float64() -> None:
-    _, norm = native.lean_kernels()
+    norm = native.lean_kernels().norm
     generator = torch.Generator().manual_seed(4)
     x, delta = torch.randn(3, 48, generator=generator), torch.randn(3, 48, generator=generator)
     weight, out = torch.randn(48, generator=generator), torch.empty(3, 48)
@@ -151,9 +151,23 @@ def test_add_rms_norm_against_float64() -> None:
     torch.testing.assert_close(out.double(), expected_x * rms * weight.double())
 
 
+def test_silu_mul_against_float64() -> None:
+    """Every vector lane and the scalar tail (width 40 = 2 x 16 + 8), large and tiny gates
+    included (exp's range limits)."""
+    silu_mul = native.lean_kernels().silu_mul
+    generator = torch.Generator().manual_seed(6)
+    gate_up = torch.randn(3, 80, generator=generator) * 4
+    gate_up[0, :6] = torch.tensor([-120.0, -90.0, -87.5, 90.0, 0.0, 30.0])
+    out = torch.full((3, 40), float("nan"))
+    silu_mul(gate_up.data_ptr(), 3, 40, out.data_ptr())
+    gate, up = gate_up.double().split(40, -1)
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-30)
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_split_rotary_against_transformers(bf16: bool) -> None:
-    rotate, _ = native.lean_kernels()
+    rotate = native.lean_kernels().rotary
     n, heads, kv_heads, d = 3, 4, 2, 16
     generator = torch.Generator().manual_seed(5)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=generator)
