@@ -19,6 +19,13 @@ Inputs: x[m] ~ low[m] + step[m] * u, u in 0 .. 255. Then for output row o,
 x[m] . W[o] = step[m] * sum_g a[o][g] * S[m][o][g] + low[m] * C[o] + sum_g b[o][g] * X[m][g]
 with S = sum over the group of u * (q - 8) (int32, exact), C[o] = sum_g a[o][g] * sum over
 the group of (q - 8) (given), X[m][g] = the sum of x[m] over group g (float, from x itself).
+The kernel multiplies q as stored and takes 8 * (the group's sum of u) back out of the
+int32 sum: the same S, two operations a weight vector fewer.
+
+A pass over a tile's weights serves 2 input rows (tiles of 4 blocks) when the call has 1 or
+2 rows, else 4 (tiles of 2 blocks), so a draft tree's 4-row step unpacks each weight vector
+once, not twice. Each output's float operations are the same in either shape, so a row's
+result does not depend on the rows beside it.
 
 x [m, k] float32 or bfloat16, contiguous, k a multiple of 32; records as above for
 ceil(n / 16) blocks (rows past n zero); C [ceil(n/16) * 16]; bias [n] or NULL; y [m, n] in

@@ -9,8 +9,9 @@ microseconds of dispatch on one row (scripts/lean_profile.py). The draft's cost 
 is what speculative decoding pays for every proposed token, so this module runs the same
 computation in a dozen calls a layer: q, k and v in one product (their matrices stacked),
 gate and up in another, one C call (lean.c) to rotate and lay out q and k, one for each
-residual add and the RMS norm after it, the row-wise attention of attention.c, the residual
-stream in float32. 32.6 ms a step (-21%).
+residual add and the RMS norm after it, the row-wise attention of attention.c, silu(gate) *
+up in one more, the residual stream in float32, the products writing outputs kept from step
+to step. 32.6 ms a step (-21%); with `#int4` layers 23.4 ms.
 
 Style point 6 says: never fork modeling files. This is not a fork but a second
 implementation of one decode step for drafters only, kept honest two ways: it is used only
