@@ -164,6 +164,13 @@ def transposed_linear(
 # The block height of padded products: one block serves a plain step and a verify pass of
 # up to 8 rows (16 cost a plain step 4% more on an AMD EPYC; docs/exact-bfloat16.md).
 PAD_ROWS = 8
+# Blocks of 16 rows ("padded16"), for a shape where a block of 16 costs a plain step about
+# what a block of 8 does (invariant.wide_padding_pays): a verify pass of 9-16 rows (a
+# 15-node tree) then reads the weights once, not twice. The Qwen2.5-Coder 1.5B target's
+# 8960 -> 1536 down projection on an Intel Xeon with AMX: T(9) 301 ms against T(8) 264 with
+# blocks of 8, 254 against 264 with blocks of 16 (T(1) 236 and 226).
+WIDE_PAD_ROWS = 16
+PADDED = {"padded": PAD_ROWS, "padded16": WIDE_PAD_ROWS}  # product kind -> block height
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -176,14 +183,16 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
 
 
-def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T + b on blocks of exactly PAD_ROWS rows (the last zero-padded): a BLAS that
+def padded_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, block: int = PAD_ROWS
+) -> torch.Tensor:
+    """x @ W^T + b on blocks of exactly `block` rows (the last zero-padded): a BLAS that
     picks its algorithm by row count then gives a row the same bits at every row count."""
     rows = x.reshape(-1, x.shape[-1])  # [M, in]
     m = rows.shape[0]
-    if m % PAD_ROWS:
-        rows = torch.cat([rows, rows.new_zeros(PAD_ROWS - m % PAD_ROWS, rows.shape[1])])
-    out = torch.cat([F.linear(block, weight, bias) for block in rows.split(PAD_ROWS)])[:m]
+    if m % block:
+        rows = torch.cat([rows, rows.new_zeros(block - m % block, rows.shape[1])])
+    out = torch.cat([F.linear(part, weight, bias) for part in rows.split(block)])[:m]
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -196,7 +205,7 @@ class TunedLinear(nn.Linear):
     kernel_plan: KernelPlan
     is_head: bool
     # Set by invariant.use_row_invariant: this weight's row-invariant product, "packed",
-    # "flat" or "padded", probed for its shape (invariant_linear).
+    # "flat", "padded" or "padded16", probed for its shape (invariant_linear).
     invariant_product: str = "flat"
 
     # The weights packed for the `packed` strategy, and the (address, version) of the
@@ -244,9 +253,9 @@ def invariant_linear(
     oneDNN's product on the weights packed once ("packed", given as `packed`; without
     them, as when gradients are wanted, F.linear as "flat"), F.linear on 2-D rows ("flat";
     some BLAS builds take another kernel for a 3-D input of one row than of several) or
-    padded blocks of PAD_ROWS rows ("padded")."""
-    if product == "padded":
-        return padded_linear(x, weight, bias)
+    padded blocks of PAD_ROWS rows ("padded") or of WIDE_PAD_ROWS ("padded16")."""
+    if product in PADDED:
+        return padded_linear(x, weight, bias, block=PADDED[product])
     rows = x.reshape(-1, x.shape[-1])
     out = F.linear(rows, weight, bias) if packed is None else packed_linear(rows, packed, bias)
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -56,8 +56,13 @@ def test_a_bfloat16_bench_is_row_invariant_and_lossless(capfd: pytest.CaptureFix
     assert code == 0, err
     report = json.loads(out.strip().splitlines()[-1])
     assert report["config"]["dtype"] == "bfloat16"
-    # "packed", "flat", "padded", or per weight shape ("flat, padded for 576x1536")
-    assert report["config"]["row_invariant"].split(",")[0] in ("packed", "flat", "padded")
+    # "packed", "flat", "padded", "padded16", or per shape ("flat, padded for 576x1536")
+    assert report["config"]["row_invariant"].split(",")[0] in (
+        "packed",
+        "flat",
+        "padded",
+        "padded16",
+    )
     # the default model's 64-wide heads take the C kernel wherever it could be built
     assert report["config"]["row_invariant_attention"] == native.kernel_name()
     for name, method in report["methods"].items():

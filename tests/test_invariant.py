@@ -5,6 +5,8 @@ token-identical to plain decoding."""
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,7 +70,7 @@ def test_the_loaded_bf16_model_is_row_invariant_and_float32_is_left_alone(
     products = {
         m.invariant_product for m in bf16_runner.model.modules() if isinstance(m, TunedLinear)
     }
-    assert products and products <= {"packed", "flat", "padded"}
+    assert products and products <= {"packed", "flat", "padded", "padded16"}
     assert kernel_plan(bf16_runner.model).row_invariant.split(",")[0] in products
     plain = load_model(str(tiny_target)).model
     assert plain.config._attn_implementation != ATTENTION
@@ -178,7 +180,55 @@ def test_padded_products_equal_plain_ones_and_are_row_invariant() -> None:
     for rows in (1, 5, 16, 17, 40):
         x = torch.randn(2, rows, 40, generator=generator)
         torch.testing.assert_close(padded_linear(x, weight, bias), F.linear(x, weight, bias))
+        wide = padded_linear(x, weight, bias, block=16)
+        torch.testing.assert_close(wide, F.linear(x, weight, bias))
     assert rows_invariant(weight.bfloat16(), product="padded")
+    assert rows_invariant(weight.bfloat16(), product="padded16")
+
+
+def test_wide_padded_blocks_are_taken_only_where_they_cost_a_plain_step_no_more(
+    tiny_target: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shape that pads takes blocks of 16 rows when its layers' one-row products in them
+    cost about what they do in blocks of 8, and when they pass the probe too; else 8."""
+    weights = [torch.randn(24, 40), torch.randn(24, 40)]
+
+    def costing(per_row_s: float) -> Callable[..., torch.Tensor]:
+        def product(
+            x: torch.Tensor, weight: torch.Tensor, bias: object, *, block: int
+        ) -> torch.Tensor:
+            time.sleep(0.001 + per_row_s * block)
+            return x.new_zeros(x.shape[0], weight.shape[0])
+
+        return product
+
+    with monkeypatch.context() as patch:
+        patch.setattr(invariant, "padded_linear", costing(0.0))
+        assert invariant.wide_padding_pays(weights, repeats=3)
+        patch.setattr(invariant, "padded_linear", costing(0.0003))  # 16 rows: 1.6x the time
+        assert not invariant.wide_padding_pays(weights, repeats=3)
+    probe = invariant.rows_invariant
+    model = load_model(str(tiny_target)).model
+    down = model.get_decoder().layers[0].mlp.down_proj.weight.shape
+    for pays, wide_passes, want in [(True, True, "padded16"), (False, True, "padded"),
+                                    (True, False, "padded")]:  # fmt: skip
+
+        def passes(w: torch.Tensor, *, product: str, ok: bool = wide_passes) -> bool:
+            wanted = product == "padded" or (ok and product == "padded16")
+            return probe(w, product=product) and (w.shape != down or wanted)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(invariant, "wide_padding_pays", lambda w, pays=pays: pays)
+            patch.setattr(invariant, "rows_invariant", passes)
+            model = load_model(str(tiny_target)).model.bfloat16()
+            use_row_invariant(model)
+            kinds = {
+                m.invariant_product
+                for m in model.modules()
+                if isinstance(m, TunedLinear) and m.weight.shape == down
+            }
+            assert kinds == {want}
+            assert forwards_agree(model, rows=6)
 
 
 def test_a_machine_without_row_invariant_products_pads_or_is_refused(
