@@ -245,7 +245,7 @@ class BenchResult:
             "kernel_plan": None if self.kernel_plan is None else self.kernel_plan.by_rows,
             "kernel_layout": None if self.kernel_plan is None else self.kernel_plan.layout,
             # the products of row-invariant half-precision forwards: "packed", "flat", "padded"
-            # (blocks of 8 rows), "padded16" (of 16),
+            # (blocks of 8 rows), "padded16" (past 8 rows, of 16),
             # or per weight shape ("packed, padded for 1536x8960")
             "row_invariant": None if self.kernel_plan is None else self.kernel_plan.row_invariant,
             # what computes their attention: "native (attention.c)" or "torch, row by row"

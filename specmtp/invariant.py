@@ -44,11 +44,11 @@ holds:
   fails (F.linear on fewer rows would not do: the call size at which a row first loses its
   one-row bits depends on the data; scripts/product_probe.py). Blocks of 4, 8 and 16 rows
   all pass there; 8 serves a plain step and a verify pass of up to 8 rows with one block
-  (scripts/product_kinds.py, docs/exact-bfloat16.md). A shape whose layers' one-row
-  products cost about as much in blocks of 16 (wide_padding_pays: where reading the
-  weights bounds them, as the Qwen2.5-Coder 1.5B's 8960 -> 1536 down projection on an
-  Intel Xeon with AMX) takes those ("padded16"): a verify pass of 9-16 rows (a 15-node
-  tree) then reads its weights once. None passing, the model is refused.
+  (scripts/product_kinds.py, docs/exact-bfloat16.md). Where a row gets the same bits in
+  a block of 8 and of 16 (its probe), the shape runs more than 8 rows in blocks of 16
+  ("padded16"): a verify pass of 9-16 rows (a 15-node tree) then reads the weights once,
+  as for the Qwen2.5-Coder 1.5B's 8960 -> 1536 down projection on an Intel Xeon with AMX.
+  None passing, the model is refused.
 
 Everything else in a decoder layer (norms, rotary embeddings, activations) works row by row.
 Whatever the parts promise, `forwards_agree` checks the whole model at load.
@@ -58,9 +58,7 @@ a prompt through the same single forward, so they still agree.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -73,26 +71,17 @@ from specmtp import native
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import (
     PACKED,
-    PAD_ROWS,
-    WIDE_PAD_ROWS,
+    WIDE,
     KernelPlan,
     invariant_linear,
     kernel_plan,
     pack_weight,
     packing_allowed,
-    padded_linear,
     settle_packed,
     use_tuned_linear,
 )
 
 ATTENTION = "specmtp_row_invariant"
-WIDE = "padded16"  # padded blocks of WIDE_PAD_ROWS rows (kernels.PADDED)
-# The most a wide block may cost one-row products, in narrow ones. Two narrow blocks (a
-# verify pass of 9-16 rows) cost about twice one; a wide block, where reading the weights
-# bounds the product, little more than a narrow one: the Qwen2.5-Coder 1.5B target's 28
-# down projections (1536 x 8960, bfloat16) 50.4 ms against 48.5 (1.04; Intel Xeon with AMX,
-# 2 threads). At 1.10 a plain step pays at most 10% more in its padded layers.
-WIDE_PADDING_COST = 1.10
 MAX_LOOP_ROWS = 32  # query rows computed one by one; longer inputs (prompts) use the fused kernel
 PROBE_ROWS = MAX_LOOP_ROWS  # products are probed at every row count a verify pass may hold
 # Attention features some models pass that the per-row loop does not apply: refused, not ignored.
@@ -350,27 +339,6 @@ def invariant_product(weight: torch.Tensor, kinds: Sequence[str] | None = None) 
     return next((p for p in kinds if rows_invariant(weight, product=p)), None)
 
 
-def wide_padding_pays(weights: Sequence[torch.Tensor], *, repeats: int = 5) -> bool:
-    """Whether one-row products with all of `weights` in turn (a model's layers of one
-    shape, so that they are read from memory as in a forward, not from cache) cost at most
-    WIDE_PADDING_COST times as much in blocks of WIDE_PAD_ROWS rows as in blocks of
-    PAD_ROWS: medians of `repeats`, interleaved, after one untimed round. Where they do
-    (AMX; products bound by reading the weights), a verify pass of 9-16 rows costs about
-    what one of 8 does."""
-    x = torch.randn(1, weights[0].shape[1], generator=torch.Generator().manual_seed(0))
-    x = x.to(weights[0].dtype)
-    times: dict[int, list[float]] = {PAD_ROWS: [], WIDE_PAD_ROWS: []}
-    with torch.inference_mode():
-        for _ in range(repeats + 1):
-            for block, spent in times.items():
-                start = time.perf_counter()
-                for weight in weights:
-                    padded_linear(x, weight, None, block=block)
-                spent.append(time.perf_counter() - start)
-    narrow, wide = (statistics.median(spent[1:]) for spent in times.values())
-    return wide <= WIDE_PADDING_COST * narrow
-
-
 def use_row_invariant(model: nn.Module) -> str:
     """Make `model`'s forwards row-invariant (module docstring); returns its products'
     description (KernelPlan.row_invariant). Each weight shape takes the product
@@ -420,14 +388,12 @@ Shape = tuple[torch.Size, torch.dtype]  # a weight's shape and dtype: one probe 
 
 
 def _widened(products: dict[Shape, str], layers: Sequence[nn.Linear]) -> dict[Shape, str]:
-    """`products` with each padded shape in blocks of WIDE_PAD_ROWS (WIDE) where its layers'
-    products cost a plain step no more so (wide_padding_pays) and pass the probe so."""
+    """`products` with each padded shape in blocks of WIDE_PAD_ROWS past PAD_ROWS rows
+    (WIDE) where that passes the probe: a row's bits the same in blocks of either height."""
     widened = dict(products)
     for shape, kind in products.items():
-        if kind != "padded":
-            continue
-        weights = [m.weight for m in layers if (m.weight.shape, m.weight.dtype) == shape]
-        if wide_padding_pays(weights) and rows_invariant(weights[0], product=WIDE):
+        weight = next(m.weight for m in layers if (m.weight.shape, m.weight.dtype) == shape)
+        if kind == "padded" and rows_invariant(weight, product=WIDE):
             widened[shape] = WIDE
     return widened
 

@@ -164,13 +164,14 @@ def transposed_linear(
 # The block height of padded products: one block serves a plain step and a verify pass of
 # up to 8 rows (16 cost a plain step 4% more on an AMD EPYC; docs/exact-bfloat16.md).
 PAD_ROWS = 8
-# Blocks of 16 rows ("padded16"), for a shape where a block of 16 costs a plain step about
-# what a block of 8 does (invariant.wide_padding_pays): a verify pass of 9-16 rows (a
-# 15-node tree) then reads the weights once, not twice. The Qwen2.5-Coder 1.5B target's
-# 8960 -> 1536 down projection on an Intel Xeon with AMX: T(9) 301 ms against T(8) 264 with
-# blocks of 8, 254 against 264 with blocks of 16 (T(1) 236 and 226).
+# Past PAD_ROWS rows, blocks of 16 ("padded16"), where a row gets the same bits in a block
+# of 8 and of 16 (its probe): a verify pass of 9-16 rows (a 15-node tree) then reads the
+# weights once, not twice, and a plain step still pays for a block of 8. The Qwen2.5-Coder
+# 1.5B target's 8960 -> 1536 down projection on an Intel Xeon with AMX: T(9..16) 243-280 ms
+# against T(1..8) 200-215 in blocks of 8, 216-250 in blocks of 16 (verify_costs.txt in
+# docs/bench-int4-2026-12-07/); blocks of 16 for every row count cost T(1) about 5% more.
 WIDE_PAD_ROWS = 16
-PADDED = {"padded": PAD_ROWS, "padded16": WIDE_PAD_ROWS}  # product kind -> block height
+WIDE = "padded16"
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -253,9 +254,13 @@ def invariant_linear(
     oneDNN's product on the weights packed once ("packed", given as `packed`; without
     them, as when gradients are wanted, F.linear as "flat"), F.linear on 2-D rows ("flat";
     some BLAS builds take another kernel for a 3-D input of one row than of several) or
-    padded blocks of PAD_ROWS rows ("padded") or of WIDE_PAD_ROWS ("padded16")."""
-    if product in PADDED:
-        return padded_linear(x, weight, bias, block=PADDED[product])
+    padded blocks of PAD_ROWS rows ("padded"; "padded16": past PAD_ROWS rows, blocks of
+    WIDE_PAD_ROWS)."""
+    if product == "padded":
+        return padded_linear(x, weight, bias)
+    if product == WIDE:
+        wide = x.numel() // x.shape[-1] > PAD_ROWS
+        return padded_linear(x, weight, bias, block=WIDE_PAD_ROWS if wide else PAD_ROWS)
     rows = x.reshape(-1, x.shape[-1])
     out = F.linear(rows, weight, bias) if packed is None else packed_linear(rows, packed, bias)
     return out.reshape(*x.shape[:-1], out.shape[-1])

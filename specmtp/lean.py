@@ -150,7 +150,8 @@ class LeanForward:
     ) -> torch.Tensor:
         """Decoder layer `index` on the residual stream x [n, hidden] (float32, updated in
         place), the previous layer's MLP output `delta` added first; h [n, hidden] scratch.
-        Returns this layer's MLP output [n, hidden] (not yet added to x)."""
+        Returns this layer's MLP output [n, hidden] (not yet added to x), in a tensor the
+        next layer's step writes again: read it before then."""
         layer, n = self.layers[index], x.shape[0]
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         kv_dtype = self.embed.weight.dtype

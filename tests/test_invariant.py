@@ -5,8 +5,6 @@ token-identical to plain decoding."""
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -186,39 +184,22 @@ def test_padded_products_equal_plain_ones_and_are_row_invariant() -> None:
     assert rows_invariant(weight.bfloat16(), product="padded16")
 
 
-def test_wide_padded_blocks_are_taken_only_where_they_cost_a_plain_step_no_more(
+def test_a_padded_shape_takes_wide_blocks_past_8_rows_only_where_their_probe_passes(
     tiny_target: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A shape that pads takes blocks of 16 rows when its layers' one-row products in them
-    cost about what they do in blocks of 8, and when they pass the probe too; else 8."""
-    weights = [torch.randn(24, 40), torch.randn(24, 40)]
-
-    def costing(per_row_s: float) -> Callable[..., torch.Tensor]:
-        def product(
-            x: torch.Tensor, weight: torch.Tensor, bias: object, *, block: int
-        ) -> torch.Tensor:
-            time.sleep(0.001 + per_row_s * block)
-            return x.new_zeros(x.shape[0], weight.shape[0])
-
-        return product
-
-    with monkeypatch.context() as patch:
-        patch.setattr(invariant, "padded_linear", costing(0.0))
-        assert invariant.wide_padding_pays(weights, repeats=3)
-        patch.setattr(invariant, "padded_linear", costing(0.0003))  # 16 rows: 1.6x the time
-        assert not invariant.wide_padding_pays(weights, repeats=3)
+    """A shape that pads runs 9 or more rows in blocks of 16 ("padded16") where a row gets
+    the same bits in blocks of 8 and of 16 (the probe), else in blocks of 8; either way the
+    model's forwards agree with its one-token steps. Past 8 rows the wide product makes one
+    call for up to 16 rows, up to 8 rows one block of 8."""
     probe = invariant.rows_invariant
-    model = load_model(str(tiny_target)).model
-    down = model.get_decoder().layers[0].mlp.down_proj.weight.shape
-    for pays, wide_passes, want in [(True, True, "padded16"), (False, True, "padded"),
-                                    (True, False, "padded")]:  # fmt: skip
+    down = load_model(str(tiny_target)).model.get_decoder().layers[0].mlp.down_proj.weight.shape
+    for wide_passes, want in [(True, "padded16"), (False, "padded")]:
 
         def passes(w: torch.Tensor, *, product: str, ok: bool = wide_passes) -> bool:
             wanted = product == "padded" or (ok and product == "padded16")
             return probe(w, product=product) and (w.shape != down or wanted)
 
         with monkeypatch.context() as patch:
-            patch.setattr(invariant, "wide_padding_pays", lambda w, pays=pays: pays)
             patch.setattr(invariant, "rows_invariant", passes)
             model = load_model(str(tiny_target)).model.bfloat16()
             use_row_invariant(model)
@@ -229,6 +210,13 @@ def test_wide_padded_blocks_are_taken_only_where_they_cost_a_plain_step_no_more(
             }
             assert kinds == {want}
             assert forwards_agree(model, rows=6)
+    calls = []
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or x @ w.T)
+    weight = torch.randn(24, 40)
+    for rows, blocks in [(1, [8]), (8, [8]), (9, [16]), (16, [16]), (17, [16, 16])]:
+        calls.clear()
+        kernels.invariant_linear(torch.randn(rows, 40), weight, None, "padded16")
+        assert calls == blocks
 
 
 def test_a_machine_without_row_invariant_products_pads_or_is_refused(
@@ -348,8 +336,14 @@ def test_packed_products_that_disagree_end_to_end_give_way_to_flat_ones(
     everywhere), and no packed copy is kept."""
     model = load_model(str(tiny_target)).model.bfloat16()
     layers = [m for m in model.modules() if isinstance(m, TunedLinear)]
-    unpacked = {invariant.invariant_product(m.weight, ("flat", "padded")) for m in layers}
     probe = invariant.rows_invariant
+
+    def unpacked_product(weight: torch.Tensor) -> str | None:
+        kind = invariant.invariant_product(weight, ("flat", "padded"))
+        wide = kind == "padded" and probe(weight, product="padded16")
+        return "padded16" if wide else kind  # past 8 rows in blocks of 16 where that passes
+
+    unpacked = {unpacked_product(m.weight) for m in layers}
     monkeypatch.setattr(
         invariant,
         "rows_invariant",
