@@ -210,6 +210,7 @@ def test_a_padded_shape_takes_wide_blocks_past_8_rows_only_where_their_probe_pas
             }
             assert kinds == {want}
             assert forwards_agree(model, rows=6)
+            assert forwards_agree(model, rows=12)  # past 8 rows: blocks of 16 where taken
     calls = []
     monkeypatch.setattr(F, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or x @ w.T)
     weight = torch.randn(24, 40)
