@@ -124,8 +124,7 @@ static void quantize_row(const void *x, int bf16, int64_t i, int64_t k, uint8_t 
     *step = s;
 }
 
-/* For `width` blocks from `records` (their groups `stride` records apart) and `rows` input
-rows: sums[b][i][r] = sum_g a * S + b * X / step, so that step * sums is the dot product less
+/* For `width` blocks from `records` and `rows` input rows: sums[b][i][r] = sum_g a * S + b * X / step, so that step * sums is the dot product less
 low * C. The nibbles q (0 .. 15) are multiplied as they are, and S = sum u * q - 8 * sum u.
 Constants after inlining, so the sums stay in registers. */
 static inline __attribute__((always_inline)) void tile_sums(const uint8_t *u, int64_t k,

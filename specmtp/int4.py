@@ -24,6 +24,7 @@ from torch import nn
 
 from specmtp import native
 from specmtp.errors import SpecMTPError
+from specmtp.int8 import product_of_rows
 from specmtp.specs import split_flag
 
 INT4 = "#int4"  # the draft spec option
@@ -79,11 +80,7 @@ class Int4Product:
         return stacked
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # [M, in]
-        rows = (rows if x.dtype == torch.bfloat16 else rows.float()).contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)  # [M, out]
-        self.into(rows, out)
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return product_of_rows(self, x)
 
     def into(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         """out [M, out] = the product of rows [M, in]; both contiguous, both float32 or both

@@ -34,7 +34,7 @@ import ctypes
 import warnings
 from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
@@ -43,6 +43,9 @@ from specmtp import native
 from specmtp.errors import SpecMTPError
 from specmtp.heads import VocabProjection
 from specmtp.specs import split_flag
+
+if TYPE_CHECKING:
+    from specmtp.int4 import Int4Product
 
 INT8 = "#int8"  # the draft spec option
 BLOCK = 16  # int8.c's output rows per block
@@ -147,16 +150,9 @@ class Int8Product:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            return self._native(x)
+            return product_of_rows(self, x)
         rows = x.reshape(-1, x.shape[-1]).float()  # [M, in]
         out = torch.ops.quantized.linear_dynamic(rows, self.packed, self.reduce_range)  # [M, out]
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-
-    def _native(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # [M, in]
-        rows = (rows if x.dtype == torch.bfloat16 else rows.float()).contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)  # [M, out]
-        self.into(rows, out)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def into(self, rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -174,6 +170,16 @@ class Int8Product:
         )  # fmt: skip
         if failed:
             raise MemoryError(f"int8 product of {rows.shape[0]} rows: out of memory")
+
+
+def product_of_rows(product: Int8Product | Int4Product, x: torch.Tensor) -> torch.Tensor:
+    """x [..., in] through a native product's `into` (as 2-D rows, float32 or bfloat16), the
+    result [..., out] in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])  # [M, in]
+    rows = (rows if x.dtype == torch.bfloat16 else rows.float()).contiguous()
+    out = torch.empty(rows.shape[0], product.out_features, dtype=rows.dtype)  # [M, out]
+    product.into(rows, out)
+    return out.to(x.dtype).reshape(*x.shape[:-1], product.out_features)
 
 
 def interleave(weight: torch.Tensor) -> torch.Tensor:

@@ -374,7 +374,7 @@ def _agreeing_products(model: nn.Module, plan: KernelPlan) -> str | None:
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
     weights = {(m.weight.shape, m.weight.dtype): m.weight for m in layers}
     for products in _product_choices(weights):
-        products = _widened(products, layers)
+        products = _widened(products, weights)
         for layer in layers:
             layer.invariant_product = products[layer.weight.shape, layer.weight.dtype]
         plan.row_invariant = describe_products(products)
@@ -387,15 +387,13 @@ def _agreeing_products(model: nn.Module, plan: KernelPlan) -> str | None:
 Shape = tuple[torch.Size, torch.dtype]  # a weight's shape and dtype: one probe for all alike
 
 
-def _widened(products: dict[Shape, str], layers: Sequence[nn.Linear]) -> dict[Shape, str]:
+def _widened(products: dict[Shape, str], weights: dict[Shape, torch.Tensor]) -> dict[Shape, str]:
     """`products` with each padded shape in blocks of WIDE_PAD_ROWS past PAD_ROWS rows
     (WIDE) where that passes the probe: a row's bits the same in blocks of either height."""
-    widened = dict(products)
-    for shape, kind in products.items():
-        weight = next(m.weight for m in layers if (m.weight.shape, m.weight.dtype) == shape)
-        if kind == "padded" and rows_invariant(weight, product=WIDE):
-            widened[shape] = WIDE
-    return widened
+    return {
+        shape: WIDE if kind == "padded" and rows_invariant(weights[shape], product=WIDE) else kind
+        for shape, kind in products.items()
+    }
 
 
 def _product_choices(weights: dict[Shape, torch.Tensor]) -> Iterator[dict[Shape, str]]:

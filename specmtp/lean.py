@@ -11,7 +11,7 @@ computation in a dozen calls a layer: q, k and v in one product (their matrices 
 gate and up in another, one C call (lean.c) to rotate and lay out q and k, one for each
 residual add and the RMS norm after it, the row-wise attention of attention.c, silu(gate) *
 up in one more, the residual stream in float32, the products writing outputs kept from step
-to step. 32.6 ms a step (-21%); with `#int4` layers 23.4 ms.
+to step. 32.6 ms a step (-21%); with `#int4` layers 23.4-24.1 ms.
 
 Style point 6 says: never fork modeling files. This is not a fork but a second
 implementation of one decode step for drafters only, kept honest two ways: it is used only

@@ -1,12 +1,14 @@
 """The 0.5B draft's 7-node #int4 tree with this commit's draft step and with the one before
-(int4.c as of f66c930, kept beside this script, and lean.py's step as then: fresh product
-outputs, torch's silu * up), one process, one loaded 1.5B target, in turn on training
+(int4.c as of f66c930, read from git, and lean.py's step as then: fresh product outputs,
+torch's silu * up), one process, one loaded 1.5B target, in turn on training
 instructions (96 tokens, γ = 3, greedy); outputs checked against each other. Run from the
 repository root: python docs/bench-int4-2026-12-07/step_ab.py [PROMPTS]"""
 import ctypes
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -21,14 +23,17 @@ from specmtp.invariant import _native_attention
 from specmtp.models import load_model
 
 torch.set_num_threads(2)
-HERE = Path(__file__).parent
 Q = os.path.expanduser("~/.cache/specmtp/qwen2.5-coder/")
 D = Q + "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 
 
 def old_kernel():
+    """specmtp_int4_linear compiled from int4.c at f66c930 (same records, same arguments)."""
+    source = Path(tempfile.mkdtemp()) / "int4.c"
+    source.write_bytes(subprocess.run(["git", "show", "f66c930:specmtp/int4.c"], check=True,
+                                      capture_output=True).stdout)
     compiler = os.environ.get("CC") or "cc"
-    library = native._build(compiler, HERE / "int4_f66c930.c", (*native.FLAGS, "-fopenmp"))
+    library = native._build(compiler, source, (*native.FLAGS, "-fopenmp"))
     function = ctypes.CDLL(str(library)).specmtp_int4_linear
     function.argtypes, function.restype = native._INT4_ARGS, ctypes.c_int
     return function
