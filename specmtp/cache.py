@@ -133,7 +133,11 @@ class CachedModel:
         self.length = end
 
     def kv_bytes(self) -> int:
-        """Bytes held by the cached keys and values."""
+        """Bytes held by the cached keys and values (the lean forward's buffers, where it
+        keeps them: the cache's tensors are views of those)."""
+        held = None if self.lean is None else self.lean.held_bytes(self.cache)
+        if held is not None:
+            return held
         return sum(
             layer.keys.numel() * layer.keys.element_size() * 2
             for layer in self.cache.layers

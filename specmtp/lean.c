@@ -61,22 +61,31 @@ static void rotate(const float *src, const float *cos, const float *sin, int d, 
     }
 }
 
-void specmtp_split_rotary(const float *qkv, int64_t n, int heads, int kv_heads, int d,
-                          const float *cos, const float *sin, float *q, void *k, void *v,
-                          int kv_bf16) {
+/* q, k and v of n rows from qkv; k and v head h's row r at (h * head_stride + start + r) * d:
+a [kv_heads, n, d] tensor (head_stride n, start 0) or a cache's [kv_heads, capacity, d]
+buffer past its first `start` positions (head_stride capacity). */
+static void split_rotary(const float *qkv, int64_t n, int heads, int kv_heads, int d,
+                         const float *cos, const float *sin, float *q, void *k, void *v,
+                         int kv_bf16, int64_t head_stride, int64_t start) {
     int64_t width = (int64_t)(heads + 2 * kv_heads) * d;
     for (int64_t r = 0; r < n; r++) {
         const float *row = qkv + r * width, *c = cos + r * d, *s = sin + r * d;
         for (int h = 0; h < heads; h++)
             rotate(row + (int64_t)h * d, c, s, d, q, 0, (r * heads + h) * d);
         for (int h = 0; h < kv_heads; h++) {
-            int64_t offset = ((int64_t)h * n + r) * d;
+            int64_t offset = ((int64_t)h * head_stride + start + r) * d;
             rotate(row + (int64_t)(heads + h) * d, c, s, d, k, kv_bf16, offset);
             const float *value = row + (int64_t)(heads + kv_heads + h) * d;
             for (int i = 0; i < d; i++)
                 put(v, kv_bf16, offset + i, value[i]);
         }
     }
+}
+
+void specmtp_split_rotary(const float *qkv, int64_t n, int heads, int kv_heads, int d,
+                          const float *cos, const float *sin, float *q, void *k, void *v,
+                          int kv_bf16) {
+    split_rotary(qkv, n, heads, kv_heads, d, cos, sin, q, k, v, kv_bf16, n, 0);
 }
 
 #ifdef __AVX512F__
@@ -120,4 +129,93 @@ void specmtp_silu_mul(const float *gate_up, int64_t n, int64_t width, float *out
         for (; i < width; i++)
             row[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
+}
+
+/* specmtp_lean_layers: every decoder layer of lean.py's step in one call (its layer_step,
+the reference, makes a dozen calls a layer from Python, each a few microseconds that a
+24-layer step pays 24 times), then the final norm. The same kernels in the same order on
+the same buffers, so the two give the same bits (tests/test_lean.py).
+
+A product is int4.c's or int8.c's specmtp_*_linear (by `bits`), a pointer lean.py takes
+from their libraries, as it takes attention.c's specmtp_attention. Each layer's new keys
+and values go straight into the cache's buffers [kv_heads, capacity, d] at positions past
+.. past + n - 1 (lean.py's KVBuffers keeps transformers' DynamicCache a view of them). */
+typedef int (*Int4Kernel)(const void *x, int bf16, int64_t m, int64_t k, const void *records,
+                          int64_t n, const float *c, const float *bias, void *y, int threads);
+typedef int (*Int8Kernel)(const void *x, int bf16, int64_t m, int64_t k, const void *packed,
+                          int64_t n, const float *scale, const float *wsum, const float *bias,
+                          void *y, int threads);
+typedef int (*AttentionKernel)(const void *q, int q_bf16, int64_t q_head_stride,
+                               int64_t q_row_stride, float scale, const void *k, const void *v,
+                               int kv_bf16, int64_t k_head_stride, int64_t k_row_stride,
+                               int64_t v_head_stride, int64_t v_row_stride, int n, int heads,
+                               int kv_heads, int d, const int64_t *prefix,
+                               const int64_t *extra_start, const int64_t *extras, void *out,
+                               int out_bf16);
+
+typedef struct {
+    void *kernel;         /* Int4Kernel or Int8Kernel */
+    int64_t bits;         /* 4 or 8 */
+    int64_t in, out;      /* features */
+    const void *weights;  /* int4: records; int8: packed */
+    const float *first;   /* int4: C; int8: the padded scale */
+    const float *second;  /* int8: wsum; int4: unused */
+    const float *bias;    /* or NULL */
+} Product;
+
+typedef struct {
+    const float *input_norm, *post_norm;  /* [hidden] float32 */
+    Product qkv, o, gate_up, down;
+    void *keys, *values;  /* the cache's buffers [kv_heads, capacity, d] */
+} Layer;
+
+typedef struct {
+    int64_t n, hidden, intermediate, capacity, past, heads, kv_heads, d, kv_bf16, threads;
+    const float *cos, *sin;                          /* [n, d] */
+    const int64_t *prefix, *extra_start, *extras;    /* the rows' visible keys (attention.c) */
+    const float *final_norm;                         /* [hidden] */
+    float *qkv, *q, *attended, *o, *gate_up, *activation, *down;  /* scratch, float32 */
+    float eps, scale;
+} Step;
+
+static int product(const Product *p, const float *x, int64_t m, float *y, int threads) {
+    if (p->bits == 4)
+        return ((Int4Kernel)p->kernel)(x, 0, m, p->in, p->weights, p->out, p->first, p->bias, y,
+                                       threads);
+    return ((Int8Kernel)p->kernel)(x, 0, m, p->in, p->weights, p->out, p->first, p->second,
+                                   p->bias, y, threads);
+}
+
+/* x [n, hidden] the residual stream (updated in place), h [n, hidden] the final norm's
+output. 0, or the first failing kernel's code (out of memory). */
+int specmtp_lean_layers(const Layer *layers, int64_t count, void *attention, const Step *s,
+                        float *x, float *h) {
+    int64_t n = s->n, hidden = s->hidden, d = s->d;
+    int heads = (int)s->heads, kv_heads = (int)s->kv_heads, threads = (int)s->threads;
+    const float *delta = NULL;  /* the previous layer's MLP output */
+    int failed = 0;
+    for (int64_t i = 0; i < count && !failed; i++) {
+        const Layer *layer = layers + i;
+        specmtp_add_rms_norm(x, delta, n, hidden, layer->input_norm, s->eps, h);
+        if ((failed = product(&layer->qkv, h, n, s->qkv, threads)))
+            break;
+        split_rotary(s->qkv, n, heads, kv_heads, (int)d, s->cos, s->sin, s->q, layer->keys,
+                     layer->values, (int)s->kv_bf16, s->capacity, s->past);
+        int64_t head = s->capacity * d;
+        failed = ((AttentionKernel)attention)(
+            s->q, 0, d, heads * d, s->scale, layer->keys, layer->values, (int)s->kv_bf16, head, d,
+            head, d, (int)n, heads, kv_heads, (int)d, s->prefix, s->extra_start, s->extras,
+            s->attended, 0);
+        if (failed || (failed = product(&layer->o, s->attended, n, s->o, threads)))
+            break;
+        specmtp_add_rms_norm(x, s->o, n, hidden, layer->post_norm, s->eps, h);
+        if ((failed = product(&layer->gate_up, h, n, s->gate_up, threads)))
+            break;
+        specmtp_silu_mul(s->gate_up, n, s->intermediate, s->activation);
+        failed = product(&layer->down, s->activation, n, s->down, threads);
+        delta = s->down;
+    }
+    if (!failed)
+        specmtp_add_rms_norm(x, delta, n, hidden, s->final_norm, s->eps, h);
+    return failed;
 }

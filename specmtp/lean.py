@@ -11,7 +11,10 @@ computation in a dozen calls a layer: q, k and v in one product (their matrices 
 gate and up in another, one C call (lean.c) to rotate and lay out q and k, one for each
 residual add and the RMS norm after it, the row-wise attention of attention.c, silu(gate) *
 up in one more, the residual stream in float32, the products writing outputs kept from step
-to step. 32.6 ms a step (-21%); with `#int4` layers 23.4-24.1 ms.
+to step. 32.6 ms a step (-21%); with `#int4` layers 23.4-24.1 ms. Those calls from Python
+cost about 6 ms of it, so by default every layer runs in one C call (lean_layers.py: the
+same kernels in the same order, the same bits; `layer_step` stays as the reference):
+17.7 ms for one row, 23.5 for four (30.2 before).
 
 Style point 6 says: never fork modeling files. This is not a fork but a second
 implementation of one decode step for drafters only, kept honest two ways: it is used only
@@ -29,6 +32,7 @@ SPECMTP_LEAN=0 turns it off (for A/B runs).
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
@@ -39,7 +43,8 @@ from transformers import DynamicCache, PreTrainedModel
 from specmtp import native
 from specmtp.int4 import Int4Linear, Int4Product
 from specmtp.int8 import BLOCK, Int8Linear, Int8Product
-from specmtp.invariant import MAX_LOOP_ROWS, _native_attention, kernel_takes
+from specmtp.invariant import MAX_LOOP_ROWS, _kernel_rows, _native_attention, kernel_takes
+from specmtp.lean_layers import CStep, KVBuffers
 
 ENABLE = "SPECMTP_LEAN"
 FAMILIES = ("llama", "qwen2")
@@ -74,6 +79,8 @@ class _Outputs:
     """A step's product outputs [n, features] float32, and the MLP's activation."""
 
     qkv: torch.Tensor
+    q: torch.Tensor  # [n, heads, d], rotated (lean.c's step)
+    attended: torch.Tensor  # [n, heads * d], attention's output (lean.c's step)
     o: torch.Tensor
     gate_up: torch.Tensor
     activation: torch.Tensor
@@ -97,6 +104,10 @@ class LeanForward:
         self.layers = [_lean_layer(layer) for layer in body.layers]
         self.kernels = native.lean_kernels()
         self.attend = native.attention_kernel()
+        # Every layer in one C call (lean_layers.py), with each cache's keys and values in
+        # buffers it writes into; False: layer_step from Python, the reference it matches
+        self.in_c = True
+        self._buffers: WeakKeyDictionary[DynamicCache, KVBuffers] = WeakKeyDictionary()
         # The products' outputs for a step of n rows, kept from step to step (a fresh
         # tensor a product cost about 15 us more than one written before: 1.5 ms a step)
         self._outputs: dict[int, _Outputs] = {}
@@ -126,11 +137,54 @@ class LeanForward:
         x = self.embed(tokens[0]).float()  # [n, hidden], the residual stream
         h = torch.empty_like(x)  # [n, hidden], the normed stream the products read
         rotary = self.rotary_tables(position_ids)
-        delta = None  # the MLP's output, added to x by the next norm
-        for index in range(len(self.layers)):
-            delta = self.layer_step(index, x, delta, h, rotary, cache, attention_mask)
-        self._add_norm(x, delta, self.final_norm, h)
+        if self.in_c:
+            self._layers_in_c(x, h, rotary, cache, attention_mask)
+        else:
+            delta = None  # the MLP's output, added to x by the next norm
+            for index in range(len(self.layers)):
+                delta = self.layer_step(index, x, delta, h, rotary, cache, attention_mask)
+            self._add_norm(x, delta, self.final_norm, h)
         return self.lm_head(h[-1:] if last_only else h)[None]
+
+    def held_bytes(self, cache: DynamicCache) -> int | None:
+        """Bytes of the buffers holding `cache`'s keys and values, None if it has none."""
+        buffers = self._buffers.get(cache)
+        return None if buffers is None else buffers.nbytes()
+
+    def _layers_in_c(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        cache: DynamicCache,
+        attention_mask: torch.Tensor | None,
+    ) -> None:
+        """Every layer_step and the final norm, in lean.c: x [n, hidden] updated in place,
+        h [n, hidden] the final norm's output; the keys and values appended to `cache`."""
+        n, hidden = x.shape
+        past = cache.get_seq_length()
+        kv_dtype = self.embed.weight.dtype
+        if cache not in self._buffers:
+            self._buffers[cache] = KVBuffers(self.layers, self.kv_heads, self.head_dim, kv_dtype)
+        buffers = self._buffers[cache]
+        buffers.hold(cache, past, past + n)
+        prefix, extra_start, extras = _kernel_rows(attention_mask, 0, n, past + n)
+        outputs, (cos, sin) = self._outputs_for(n, self.layers[0]), rotary
+        step = CStep(
+            n, hidden, self.intermediate, buffers.capacity, past, self.heads, self.kv_heads,
+            self.head_dim, int(kv_dtype == torch.bfloat16), torch.get_num_threads(),
+            cos.data_ptr(), sin.data_ptr(), prefix.data_ptr(), extra_start.data_ptr(),
+            extras.data_ptr(), self.final_norm.data_ptr(), outputs.qkv.data_ptr(),
+            outputs.q.data_ptr(), outputs.attended.data_ptr(), outputs.o.data_ptr(),
+            outputs.gate_up.data_ptr(), outputs.activation.data_ptr(), outputs.down.data_ptr(),
+            self.eps, self.scale,
+        )  # fmt: skip
+        attention = ctypes.cast(self.attend, ctypes.c_void_p)
+        layers = ctypes.byref(buffers.layers)
+        if self.kernels.layers(layers, len(self.layers), attention, ctypes.byref(step),
+                               x.data_ptr(), h.data_ptr()):  # fmt: skip
+            raise MemoryError(f"lean step of {n} rows: a kernel ran out of memory")
+        buffers.publish(cache, past + n)
 
     def rotary_tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [n, d] float32 at position_ids [1, n], from the model's own rotary
@@ -185,6 +239,8 @@ class LeanForward:
             hidden = layer.o.out_features
             self._outputs[n] = _Outputs(
                 qkv=torch.empty(n, layer.qkv.out_features),
+                q=torch.empty(n, self.heads, self.head_dim),
+                attended=torch.empty(n, self.heads * self.head_dim),
                 o=torch.empty(n, hidden),
                 gate_up=torch.empty(n, 2 * self.intermediate),
                 activation=torch.empty(n, self.intermediate),

@@ -11,7 +11,8 @@ int8.c is the product of `#int8` drafters (int8.py): with AVX512-VNNI it reads a
 int8 weights faster than fbgemm's dynamic product (18-53% less time for the Qwen2.5 0.5B
 draft's matrices, 1-8 rows, 2 threads, weights out of cache), OpenMP-threaded. torch's own
 OpenMP runtime (libgomp.so.1, loaded with torch) serves it, so both share one thread pool.
-lean.c holds the rotary and norm steps of lean.py's draft forward.
+lean.c holds the rotary, norm and activation steps of lean.py's draft forward, and its
+layers in one call (lean_layers.py).
 
 A kernel is compiled with the C compiler found here (`$CC`, else `cc` or `gcc`), with
 -march=native when the compiler takes it, into $SPECMTP_CACHE/native/, named by a hash of
@@ -63,6 +64,9 @@ _ROTARY_ARGS += [ctypes.c_void_p] * 5 + [ctypes.c_int]
 _NORM_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 _NORM_ARGS += [ctypes.c_float, ctypes.c_void_p]
 _SILU_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+# specmtp_lean_layers: layers, their count, specmtp_attention, step, x, h (lean_layers.py)
+_LAYERS_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+_LAYERS_ARGS += [ctypes.c_void_p, ctypes.c_void_p]
 # specmtp_int4_linear's arguments: x, x in bfloat16, m, k; records, n, C, bias (or NULL);
 # y, threads
 _INT4_ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
@@ -129,6 +133,7 @@ class LeanKernels(NamedTuple):
     rotary: ctypes._CFuncPtr  # specmtp_split_rotary
     norm: ctypes._CFuncPtr  # specmtp_add_rms_norm
     silu_mul: ctypes._CFuncPtr  # specmtp_silu_mul
+    layers: ctypes._CFuncPtr  # specmtp_lean_layers: every layer of a step in one call
 
 
 @cache
@@ -139,10 +144,14 @@ def lean_kernels() -> LeanKernels | None:
     if library is None:
         return None
     kernels = LeanKernels(
-        library.specmtp_split_rotary, library.specmtp_add_rms_norm, library.specmtp_silu_mul
-    )
-    for function, arguments in zip(kernels, (_ROTARY_ARGS, _NORM_ARGS, _SILU_ARGS), strict=True):
-        function.argtypes, function.restype = arguments, None
+        library.specmtp_split_rotary, library.specmtp_add_rms_norm, library.specmtp_silu_mul,
+        library.specmtp_lean_layers,
+    )  # fmt: skip
+    arguments = (_ROTARY_ARGS, _NORM_ARGS, _SILU_ARGS, _LAYERS_ARGS)
+    for function, types, result in zip(
+        kernels, arguments, (None,) * 3 + (ctypes.c_int,), strict=True
+    ):
+        function.argtypes, function.restype = types, result
     return kernels
 
 

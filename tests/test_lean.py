@@ -12,8 +12,10 @@ from conftest import tiny_model
 from transformers import DynamicCache, PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from specmtp import native
+from specmtp import lean_layers, native
 from specmtp.api import SpecGenerator
+from specmtp.cache import CachedModel
+from specmtp.int4 import use_int4_products
 from specmtp.int8 import BLOCK, Int8Product, use_int8_products
 from specmtp.lean import LeanForward, agrees, correlation, lean_forward, unsupported
 from specmtp.models import load_model
@@ -25,14 +27,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def int8_model(arch: str, dtype: torch.dtype, *, seed: int = 0) -> PreTrainedModel:
+def int8_model(
+    arch: str, dtype: torch.dtype, *, seed: int = 0, int4: bool = False
+) -> PreTrainedModel:
     """A tiny random model the lean forward takes (head size 16, every projection a whole
-    number of int8.c's blocks), its weights widened so its logits are far from uniform."""
+    number of int8.c's blocks), its weights widened so its logits are far from uniform;
+    with int4, its decoder layers' products in int4.c's."""
     model = tiny_model(arch, seed=seed, head_dim=16)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.mul_(4 if parameter.dim() == 2 else 1)
-    return use_int8_products(model.to(dtype))
+    model = model.to(dtype)
+    return use_int8_products(use_int4_products(model) if int4 else model)
 
 
 def both_logits(
@@ -127,6 +133,56 @@ def test_last_only_is_the_last_row() -> None:
             )
     assert rows[1].shape == (1, 1, model.config.vocab_size)
     assert torch.equal(rows[1][0, 0], rows[0][0, -1])
+
+
+@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_in_c_give_the_python_steps_bits(
+    int4: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lean.c's specmtp_lean_layers against layer_step called from Python (the reference):
+    the same logits and cached bits over calls that grow the buffers past their capacity,
+    verify a tree, keep its path, crop, and let transformers' forward append in between."""
+    monkeypatch.setattr(lean_layers, "MIN_CAPACITY", 4)
+    model = int8_model("qwen2", dtype, int4=int4)
+    lean, vocab = LeanForward(model), model.config.vocab_size
+    runners = {in_c: CachedModel(model, vocab_size=vocab) for in_c in (True, False)}
+    tokens = torch.randint(0, vocab, (1, 40), generator=torch.Generator().manual_seed(8))
+    allowed = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.bool)
+
+    def step(in_c: bool, call: str, n: int) -> torch.Tensor | None:
+        runner = runners[in_c]
+        runner.lean, lean.in_c = (None if call == "transformers" else lean), in_c
+        fresh, past = tokens[:, runner.length : runner.length + n], runner.length
+        if call == "keep":  # the tree's first and third nodes: a path of two
+            runner.keep(past - 3, torch.tensor([past - 3, past - 1]))
+        elif call == "crop":
+            runner.crop(past - n)
+        elif call == "tree":
+            mask = torch.cat([torch.ones(3, past, dtype=torch.bool), allowed], 1)
+            positions = torch.tensor([[past, past, past + 1]])
+            mask = additive_mask(mask, dtype)[None, None]
+            return runner.forward(fresh, attention_mask=mask, position_ids=positions)
+        else:
+            return runner.forward(fresh)
+        return None
+
+    script = [("transformers", 5), ("lean", 3), ("lean", 1), ("tree", 3), ("keep", 0),
+              ("lean", 2), ("crop", 2), ("lean", 4), ("transformers", 6), ("lean", 1),
+              ("tree", 3), ("lean", 9)]  # fmt: skip
+    for call, n in script:
+        logits = [step(in_c, call, n) for in_c in (True, False)]
+        if logits[0] is not None:
+            assert torch.equal(logits[0], logits[1]), (call, n)
+    c_cache, reference = (runners[in_c].cache for in_c in (True, False))
+    assert runners[True].length == runners[False].length == c_cache.get_seq_length() == 34
+    for mine, theirs in zip(c_cache.layers, reference.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+    # The C path's cache is views of buffers grown to 8, 16, 32 and 64 positions, which
+    # its runner reports as the bytes it holds.
+    buffers = lean._buffers[c_cache]
+    assert buffers.capacity == 64 and c_cache.layers[0].keys.data_ptr() == buffers.pointers[0][0]
+    assert runners[True].kv_bytes() == buffers.nbytes() > runners[False].kv_bytes()
 
 
 def test_agrees_refuses_a_wrong_forward() -> None:
