@@ -49,7 +49,7 @@ from specmtp.drafters import (
     paths_proposal,
 )
 from specmtp.errors import SpecMTPError
-from specmtp.sampling import logits_to_probs
+from specmtp.sampling import logits_to_probs, top_log_probs
 from specmtp.tree import TokenTree, additive_mask, best_tree, check_tree_attention
 
 BEAM = 4  # nodes expanded per depth, and children kept per expanded node
@@ -203,13 +203,13 @@ class DraftTreeDrafter(DraftModelDrafter):
         logits [P, V]: row i after the i-th parent. Greedy ranks by the draft's own
         distribution; sampling by the one it samples from (temperature, top-k, top-p)."""
         if sampling.greedy:
-            logprob = torch.log_softmax(logits.float(), -1)  # [P, V]
+            top_values, top_tokens = top_log_probs(logits, beam)  # [P, beam]
         else:
             logprob = logits_to_probs(logits, sampling).log()  # [P, V], -inf off top-k/top-p
-        top = logprob.topk(beam, dim=-1)  # [P, beam]
+            top_values, top_tokens = logprob.topk(beam, dim=-1)  # [P, beam]
         children: dict[TokenPath, float] = {}
         for (path, score), values, tokens in zip(
-            parents.items(), top.values.tolist(), top.indices.tolist(), strict=True
+            parents.items(), top_values.tolist(), top_tokens.tolist(), strict=True
         ):
             for value, token in zip(values, tokens, strict=True):
                 if value > float("-inf"):

@@ -131,6 +131,50 @@ void specmtp_silu_mul(const float *gate_up, int64_t n, int64_t width, float *out
     }
 }
 
+/* specmtp_top_k: each row's k largest values, largest first (equal values: the lower index
+first), their indices, and the row's log-sum-exp: a drafter's likeliest tokens and their
+log-probabilities (value - lse) in one pass over the vocabulary, where torch's log_softmax
+then topk take three (1.4 ms for 4 rows of the Qwen2.5 vocabulary here). x [n, V] float32;
+values [n, k] float32, indices [n, k] int64, lse [n] float32 or NULL; 1 <= k <= V. A NaN is
+never taken. */
+void specmtp_top_k(const float *x, int64_t n, int64_t V, int64_t k, float *values,
+                   int64_t *indices, float *lse) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *row = x + r * V;
+        float *value = values + r * k;
+        int64_t *index = indices + r * k, filled = 0;
+        for (int64_t i = 0; i < V; i++) {
+            float v = row[i];
+            if (filled == k ? !(v > value[k - 1]) : v != v)
+                continue;
+            int64_t j = filled < k ? filled++ : k - 1;
+            for (; j > 0 && v > value[j - 1]; j--)
+                value[j] = value[j - 1], index[j] = index[j - 1];
+            value[j] = v, index[j] = i;
+        }
+        for (int64_t j = filled; j < k; j++)  /* NaNs only: none to take */
+            value[j] = NAN, index[j] = -1;
+        if (!lse)
+            continue;
+        float top = value[0];
+        if (!(top > -INFINITY)) {
+            lse[r] = top;
+            continue;
+        }
+        double sum = 0.0;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(top);
+        for (; i + 16 <= V; i += 16)
+            total = _mm512_add_ps(total, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + i), shift)));
+        sum = _mm512_reduce_add_ps(total);
+#endif
+        for (; i < V; i++)
+            sum += expf(row[i] - top);
+        lse[r] = top + (float)log(sum);
+    }
+}
+
 /* specmtp_lean_layers: every decoder layer of lean.py's step in one call (its layer_step,
 the reference, makes a dozen calls a layer from Python, each a few microseconds that a
 24-layer step pays 24 times), then the final norm. The same kernels in the same order on

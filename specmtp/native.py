@@ -64,6 +64,8 @@ _ROTARY_ARGS += [ctypes.c_void_p] * 5 + [ctypes.c_int]
 _NORM_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 _NORM_ARGS += [ctypes.c_float, ctypes.c_void_p]
 _SILU_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+# specmtp_top_k: x, n, V, k, values, indices, lse (or NULL)
+_TOP_K_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
 # specmtp_lean_layers: layers, their count, specmtp_attention, step, x, h (lean_layers.py)
 _LAYERS_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
 _LAYERS_ARGS += [ctypes.c_void_p, ctypes.c_void_p]
@@ -134,6 +136,7 @@ class LeanKernels(NamedTuple):
     norm: ctypes._CFuncPtr  # specmtp_add_rms_norm
     silu_mul: ctypes._CFuncPtr  # specmtp_silu_mul
     layers: ctypes._CFuncPtr  # specmtp_lean_layers: every layer of a step in one call
+    top_k: ctypes._CFuncPtr  # specmtp_top_k: rows' largest values and log-sum-exp
 
 
 @cache
@@ -145,12 +148,11 @@ def lean_kernels() -> LeanKernels | None:
         return None
     kernels = LeanKernels(
         library.specmtp_split_rotary, library.specmtp_add_rms_norm, library.specmtp_silu_mul,
-        library.specmtp_lean_layers,
+        library.specmtp_lean_layers, library.specmtp_top_k,
     )  # fmt: skip
-    arguments = (_ROTARY_ARGS, _NORM_ARGS, _SILU_ARGS, _LAYERS_ARGS)
-    for function, types, result in zip(
-        kernels, arguments, (None,) * 3 + (ctypes.c_int,), strict=True
-    ):
+    arguments = (_ROTARY_ARGS, _NORM_ARGS, _SILU_ARGS, _LAYERS_ARGS, _TOP_K_ARGS)
+    results = (None, None, None, ctypes.c_int, None)
+    for function, types, result in zip(kernels, arguments, results, strict=True):
         function.argtypes, function.restype = types, result
     return kernels
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specmtp import native
 from specmtp.config import SamplingConfig
 
 
@@ -16,6 +17,24 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
     return logits.argmax(-1)
+
+
+def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k likeliest tokens of each row of logits [P, V], likeliest first: their
+    log-softmax values [P, k] (float32) and indices [P, k] (int64). lean.c's specmtp_top_k
+    reads each row once where it is compiled (0.3 against 1.4 ms for 4 rows of 151,936
+    through log_softmax and topk); equal values may come out in another order than
+    torch's."""
+    logits = logits.float().contiguous()
+    kernels = native.lean_kernels()
+    if kernels is None or logits.dim() != 2 or not 1 <= k <= logits.shape[-1]:
+        return torch.log_softmax(logits, -1).topk(k, dim=-1)
+    rows, vocab = logits.shape
+    values, indices = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)
+    lse = torch.empty(rows)
+    kernels.top_k(logits.data_ptr(), rows, vocab, k, values.data_ptr(), indices.data_ptr(),
+                  lse.data_ptr())  # fmt: skip
+    return values - lse[:, None], indices
 
 
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

@@ -10,8 +10,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from specmtp import native
 from specmtp.config import SamplingConfig
-from specmtp.sampling import greedy_tokens, logits_to_probs
+from specmtp.sampling import greedy_tokens, logits_to_probs, top_log_probs
 from specmtp.verification import verify_greedy, verify_rejection_sampling
 
 
@@ -99,3 +100,32 @@ def test_rejection_sampling_reports_each_drafts_acceptance_probability() -> None
     assert fixed.accept_probs is not None
     assert torch.allclose(fixed.accept_probs, p[:, :k].gather(-1, drafts[..., None])[..., 0])
     assert verify_greedy(drafts, p.log()).accept_probs is None  # greedy: outcomes are exact
+
+
+@pytest.mark.parametrize("native_kernel", [True, False])
+def test_top_log_probs_is_log_softmax_then_topk(
+    native_kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lean.c's one-pass kernel and the torch path against log_softmax then topk: rows of a
+    vocabulary that is not a whole number of vector lanes, -inf entries (a cut vocabulary),
+    equal values (the lower index first in the kernel), k = 1 and k = V."""
+    if not native_kernel:
+        monkeypatch.setattr(native, "lean_kernels", lambda: None)
+    elif native.lean_kernels() is None:
+        pytest.skip("no C compiler for lean.c")
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 1003, generator=generator) * 5
+    logits[1, ::3] = float("-inf")
+    logits[2, [7, 500, 900]] = 40.0  # a three-way tie for the top
+    for k in (1, 4, 1003):
+        values, indices = top_log_probs(logits, k)
+        expected = torch.log_softmax(logits, -1).topk(k, dim=-1)
+        assert values.shape == indices.shape == (4, k) and indices.dtype == torch.int64
+        torch.testing.assert_close(values, expected.values, rtol=1e-5, atol=1e-5)
+        # The same tokens; log-softmax may round two logits to one value, which torch may
+        # then order either way, while the kernel orders by the logits themselves.
+        chosen, theirs = logits.gather(1, indices), logits.gather(1, expected.indices)
+        assert torch.equal(chosen.sort(-1).values, theirs.sort(-1).values)
+        if native_kernel:
+            assert (chosen[:, :-1] >= chosen[:, 1:]).all()
+            assert indices[2, :3].tolist() == [7, 500, 900][:k]
