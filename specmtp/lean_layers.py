@@ -99,7 +99,6 @@ class KVBuffers:
              *map(c_product, (layer.gate_up, layer.down)))
             for layer in layers
         ]  # fmt: skip
-        self.kv_heads, self.d, self.dtype = kv_heads, d, dtype
         self.buffer = torch.empty(len(layers), 2, kv_heads, 0, d, dtype=dtype)
         self.layers = (CLayer * len(layers))()
         self.pointers: list[tuple[int, int]] = []  # each layer's keys' and values' buffer
@@ -137,7 +136,8 @@ class KVBuffers:
         )
 
     def _grow(self, capacity: int, cache: DynamicCache, past: int) -> None:
-        buffer = self.buffer.new_empty(*self.buffer.shape[:3], capacity, self.d)
+        layers, _, kv_heads, _, d = self.buffer.shape
+        buffer = self.buffer.new_empty(layers, 2, kv_heads, capacity, d)
         if past:
             for index, layer in enumerate(cache.layers):
                 buffer[index, 0, :, :past] = layer.keys[0]
