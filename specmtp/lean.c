@@ -131,12 +131,6 @@ void specmtp_silu_mul(const float *gate_up, int64_t n, int64_t width, float *out
     }
 }
 
-/* specmtp_top_k: each row's k largest values, largest first (equal values: the lower index
-first), their indices, and the row's log-sum-exp: a drafter's likeliest tokens and their
-log-probabilities (value - lse) in two vector passes over the vocabulary, where torch's
-log_softmax then topk take three (1.0-1.4 ms for 4 rows of the Qwen2.5 vocabulary here). x [n, V] float32;
-values [n, k] float32, indices [n, k] int64, lse [n] float32 or NULL; 1 <= k <= V. A NaN is
-never taken. */
 /* Offer x[i] = v to a row's top k so far (filled of them, sorted): taken if it beats the
 last (any non-NaN while not full), moved up past every smaller one. */
 static inline void offer(float v, int64_t i, float *value, int64_t *index, int64_t k,
@@ -149,6 +143,11 @@ static inline void offer(float v, int64_t i, float *value, int64_t *index, int64
     value[j] = v, index[j] = i;
 }
 
+/* specmtp_top_k: each row's k largest values, largest first (equal values: the lower index
+first), their indices, and the row's log-sum-exp: a drafter's likeliest tokens and their
+log-probabilities (value - lse) in two vector passes over the vocabulary, where torch's
+log_softmax then topk take three. x [n, V] float32; values [n, k] float32, indices [n, k]
+int64, lse [n] float32 or NULL; 1 <= k <= V. A NaN is never taken. */
 void specmtp_top_k(const float *x, int64_t n, int64_t V, int64_t k, float *values,
                    int64_t *indices, float *lse) {
     for (int64_t r = 0; r < n; r++) {

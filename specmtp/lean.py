@@ -104,6 +104,7 @@ class LeanForward:
         self.layers = [_lean_layer(layer) for layer in body.layers]
         self.kernels = native.lean_kernels()
         self.attend = native.attention_kernel()
+        self._attend_address = ctypes.cast(self.attend, ctypes.c_void_p)  # for lean.c
         # Every layer in one C call (lean_layers.py), with each cache's keys and values in
         # buffers it writes into; False: layer_step from Python, the reference it matches
         self.in_c = True
@@ -179,10 +180,9 @@ class LeanForward:
             outputs.gate_up.data_ptr(), outputs.activation.data_ptr(), outputs.down.data_ptr(),
             self.eps, self.scale,
         )  # fmt: skip
-        attention = ctypes.cast(self.attend, ctypes.c_void_p)
         layers = ctypes.byref(buffers.layers)
-        if self.kernels.layers(layers, len(self.layers), attention, ctypes.byref(step),
-                               x.data_ptr(), h.data_ptr()):  # fmt: skip
+        if self.kernels.layers(layers, len(self.layers), self._attend_address,
+                               ctypes.byref(step), x.data_ptr(), h.data_ptr()):  # fmt: skip
             raise MemoryError(f"lean step of {n} rows: a kernel ran out of memory")
         buffers.publish(cache, past + n)
 

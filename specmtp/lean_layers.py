@@ -81,12 +81,12 @@ def c_product(product: Int4Product | Int8Product) -> CProduct:
     """The product as lean.c calls it (its kernel's address, its weights' pointers)."""
     kernel = ctypes.cast(product.kernel, ctypes.c_void_p).value
     bias = None if product.bias is None else product.bias.data_ptr()
-    fields = (kernel, 0, product.in_features, product.out_features)
+    shape = (product.in_features, product.out_features)
     if isinstance(product, Int4Product):
-        return CProduct(*fields[:1], 4, *fields[2:], product.records.data_ptr(),
-                        product.qsums.data_ptr(), None, bias)  # fmt: skip
-    return CProduct(*fields[:1], 8, *fields[2:], product.packed.data_ptr(),
-                    product.padded_scale.data_ptr(), product.wsum.data_ptr(), bias)  # fmt: skip
+        weights = (product.records.data_ptr(), product.qsums.data_ptr(), None)
+        return CProduct(kernel, 4, *shape, *weights, bias)
+    weights = (product.packed.data_ptr(), product.padded_scale.data_ptr(), product.wsum.data_ptr())
+    return CProduct(kernel, 8, *shape, *weights, bias)
 
 
 class KVBuffers:
@@ -115,8 +115,10 @@ class KVBuffers:
         if length > self.capacity:
             self._grow(max(length, 2 * self.capacity, MIN_CAPACITY), cache, past)
             return
+        if past == 0:
+            return
         for index, layer in enumerate(cache.layers):
-            for kind, states in enumerate((layer.keys, layer.values) if past else ()):
+            for kind, states in enumerate((layer.keys, layer.values)):
                 if not self._is_view(states, index, kind, past):
                     self.buffer[index, kind, :, :past] = states[0]
 
