@@ -22,9 +22,10 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k likeliest tokens of each row of logits [P, V], likeliest first: their
     log-softmax values [P, k] (float32) and indices [P, k] (int64). lean.c's specmtp_top_k
-    reads each row twice with vector instructions where it is compiled (0.30 against 1.06
-    ms for 4 rows of 151,936 through log_softmax and topk, 2 threads); equal values may come
-    out in another order than torch's."""
+    reads each row twice with vector instructions where it is compiled (0.20 against 0.76
+    ms for 4 rows of 151,936 through log_softmax and topk, 2 threads: docs/bench-lean-
+    layers-2026-12-07/microbench.py); equal values may come out in another order than
+    torch's."""
     logits = logits.float().contiguous()
     kernels = native.lean_kernels()
     if kernels is None or logits.dim() != 2 or not 1 <= k <= logits.shape[-1]:
