@@ -4,8 +4,10 @@ value buffers that call writes into.
 lean.py's `layer_step` runs a layer in a dozen calls from Python; on a draft step of the
 Qwen2.5 0.5B draft (24 layers, 2 threads, this Intel Xeon) those calls, the DynamicCache's
 appends (a torch.cat of the whole cache per layer) and the attention call's Python cost
-about 7 ms of a 29 ms step, each call slow for running with caches the layer's 8 MB of
-weights just flushed. specmtp_lean_layers runs the same kernels in the same order in C.
+about 7.6 ms of a 26.6 ms forward (docs/bench-lean-layers-2026-12-07/prof_round_5338b66.txt),
+each call slow for running with caches the layer's 8 MB of weights just flushed.
+specmtp_lean_layers runs the same kernels in the same order in C: 17.7 ms for one row
+against 23.9 (step_ab.txt there).
 
 Its new keys and values go straight into per-cache buffers [layers, 2, kv_heads, capacity,
 d] (`KVBuffers`), and the transformers DynamicCache the rest of specmtp uses keeps each
