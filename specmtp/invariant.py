@@ -68,9 +68,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from specmtp import native
+from specmtp.amx import amx_available, amx_pack
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import (
+    AMX,
     PACKED,
+    PACKED_PRODUCTS,
     WIDE,
     KernelPlan,
     invariant_linear,
@@ -312,7 +315,7 @@ def rows_invariant(weight: torch.Tensor, *, product: str = "flat", seed: int = 0
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.dtype)
     with torch.inference_mode():
-        packed = pack_weight(weight) if product == PACKED else None
+        packed = {PACKED: pack_weight, AMX: amx_pack}.get(product, lambda w: None)(weight)
 
         def linear(rows: torch.Tensor) -> torch.Tensor:
             return invariant_linear(rows, weight, None, product, packed=packed)
@@ -327,15 +330,21 @@ def rows_invariant(weight: torch.Tensor, *, product: str = "flat", seed: int = 0
 
 
 def product_kinds() -> tuple[str, ...]:
-    """The row-invariant products, cheapest first: oneDNN's on weights packed once
-    ("packed", where torch has it), F.linear ("flat"), padded blocks of PAD_ROWS rows."""
-    return (PACKED, "flat", "padded") if packing_allowed() else ("flat", "padded")
+    """The row-invariant products, cheapest first: amx.c's on AMX tiles ("amx", where the
+    machine runs it; bfloat16 weights only), oneDNN's on weights packed once ("packed",
+    where torch has it), F.linear ("flat"), padded blocks of PAD_ROWS rows. The first two
+    read a copy of the weights, made only where packing is allowed."""
+    if not packing_allowed():
+        return ("flat", "padded")
+    return (*((AMX,) if amx_available() else ()), PACKED, "flat", "padded")
 
 
 def invariant_product(weight: torch.Tensor, kinds: Sequence[str] | None = None) -> str | None:
-    """The first of `kinds` (product_kinds) whose product for `weight` passes its probe;
-    None if none passes."""
+    """The first of `kinds` (product_kinds) that takes `weight` and passes its probe; None
+    if none does."""
     kinds = product_kinds() if kinds is None else kinds
+    takes_amx = weight.dtype == torch.bfloat16 and amx_available()
+    kinds = [p for p in kinds if p != AMX or takes_amx]
     return next((p for p in kinds if rows_invariant(weight, product=p)), None)
 
 
@@ -401,7 +410,7 @@ def _product_choices(weights: dict[Shape, torch.Tensor]) -> Iterator[dict[Shape,
     packed weights, then padded blocks everywhere (each when it differs and passes)."""
     tried: list[dict[Shape, str | None]] = []
     kinds = product_kinds()
-    for allowed in (kinds, [kind for kind in kinds if kind != PACKED]):
+    for allowed in (kinds, [kind for kind in kinds if kind not in PACKED_PRODUCTS]):
         chosen = {key: invariant_product(weight, allowed) for key, weight in weights.items()}
         if None not in chosen.values() and chosen not in tried:
             yield chosen  # type: ignore[misc]  # no None in it

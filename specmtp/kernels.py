@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specmtp.amx import amx_linear, amx_pack
 from specmtp.cache import CachedModel
 from specmtp.costmodel import measure_verify_costs
 from specmtp.errors import SpecMTPError
@@ -74,6 +75,10 @@ PACKING_AVAILABLE = packing_available()
 PACKED = "packed"
 STRATEGIES = ("plain", "head", "all", "even", *((PACKED,) if PACKING_AVAILABLE else ()))
 PACKED_ROWS = 8  # the row count oneDNN packs the weights for: verify passes of 1-MAX_ROWS
+# The row-invariant product on AMX tiles (amx.py), where this machine runs it: its own copy
+# of the weights, as PACKED. Only a row-invariant plan uses it, for bfloat16 weights.
+AMX = "amx"
+PACKED_PRODUCTS = (PACKED, AMX)  # the products that read a packed copy of the weights
 LAYOUTS = ("out-major", "in-major")  # how the non-head weights are stored (set_weight_layout)
 
 # Process-wide, like torch.set_num_threads: whether load_model swaps in TunedLinear.
@@ -212,7 +217,7 @@ class TunedLinear(nn.Linear):
     # The weights packed for the `packed` strategy, and the (address, version) of the
     # weights they were packed from: a weight moved or changed in place is packed again.
     packed: torch.Tensor | None = None
-    packed_from: tuple[int, int] | None = None
+    packed_from: tuple[int, int, bool] | None = None  # and whether amx.c's layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() else 0
@@ -220,7 +225,7 @@ class TunedLinear(nn.Linear):
         if not training and x.device.type == "cpu":
             strategy = self.kernel_plan.strategy(rows)
             if strategy == INVARIANT:
-                packed = self.invariant_product == PACKED and not torch.is_grad_enabled()
+                packed = self.invariant_product in PACKED_PRODUCTS and not torch.is_grad_enabled()
                 return invariant_linear(
                     x, self.weight, self.bias, self.invariant_product,
                     packed=self.packed_weight() if packed else None,
@@ -232,10 +237,14 @@ class TunedLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def packed_weight(self) -> torch.Tensor:
-        """The weights packed for oneDNN, packed now if they never were or have changed."""
-        source = (self.weight.data_ptr(), self.weight._version)
+        """The weights packed for their product (oneDNN's, or amx.c's for a row-invariant
+        `amx` product), packed now if they never were or have changed."""
+        amx = self.kernel_plan.row_invariant is not None and self.invariant_product == AMX
+        source = (self.weight.data_ptr(), self.weight._version, amx)
         if self.packed is None or self.packed_from != source:
-            self.packed, self.packed_from = pack_weight(self.weight), source
+            self.packed = None  # the old copy goes before the new one is made
+            self.packed = amx_pack(self.weight) if amx else pack_weight(self.weight)
+            self.packed_from = source
         return self.packed
 
     def release_packed(self) -> None:
@@ -251,11 +260,16 @@ def invariant_linear(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ W^T + b by one of the row-invariant products (TunedLinear.invariant_product):
-    oneDNN's product on the weights packed once ("packed", given as `packed`; without
-    them, as when gradients are wanted, F.linear as "flat"), F.linear on 2-D rows ("flat";
+    amx.c's on bfloat16 weights in its tiles' layout ("amx", given as `packed`), oneDNN's
+    product on the weights packed once ("packed", given as `packed`; without either,
+    as when gradients are wanted, F.linear as "flat"), F.linear on 2-D rows ("flat";
     some BLAS builds take another kernel for a 3-D input of one row than of several) or
     padded blocks of PAD_ROWS rows ("padded"; "padded16": past PAD_ROWS rows, blocks of
     WIDE_PAD_ROWS)."""
+    if product == AMX:
+        if packed is None:  # gradients wanted: F.linear, as for "packed"
+            return F.linear(x, weight, bias)
+        return amx_linear(x, packed, weight.shape[0], bias)
     if product == "padded":
         return padded_linear(x, weight, bias)
     if product == WIDE:
@@ -318,7 +332,7 @@ def uses_packed(plan: KernelPlan, module: TunedLinear | None = None) -> bool:
     """Whether `plan` runs the packed product for some row count (of `module`, for a
     row-invariant plan: each weight shape has its product)."""
     if plan.row_invariant is not None:
-        return module is not None and module.invariant_product == PACKED
+        return module is not None and module.invariant_product in PACKED_PRODUCTS
     return not plan.disabled and packing_allowed() and PACKED in plan.by_rows.values()
 
 

@@ -1,4 +1,4 @@
-"""The C kernels (attention.c, int8.c, int4.c, lean.c), compiled here once per machine.
+"""The C kernels (attention.c, int8.c, int4.c, lean.c, amx.c), compiled here once per machine.
 
 invariant.py needs every query row's attention to get the bits a one-token step gives it.
 In torch that means one pair of products per row and layer, whose calls cost more than
@@ -12,7 +12,8 @@ int8 weights faster than fbgemm's dynamic product (18-53% less time for the Qwen
 draft's matrices, 1-8 rows, 2 threads, weights out of cache), OpenMP-threaded. torch's own
 OpenMP runtime (libgomp.so.1, loaded with torch) serves it, so both share one thread pool.
 lean.c holds the rotary, norm and activation steps of lean.py's draft forward, and its
-layers in one call (lean_layers.py).
+layers in one call (lean_layers.py). amx.c is a row-invariant bfloat16 product on AMX tiles
+for the target's verify passes (amx.py).
 
 A kernel is compiled with the C compiler found here (`$CC`, else `cc` or `gcc`), with
 -march=native when the compiler takes it, into $SPECMTP_CACHE/native/, named by a hash of
@@ -40,6 +41,7 @@ SOURCE = Path(__file__).with_name("attention.c")
 INT8_SOURCE = Path(__file__).with_name("int8.c")
 LEAN_SOURCE = Path(__file__).with_name("lean.c")
 INT4_SOURCE = Path(__file__).with_name("int4.c")
+AMX_SOURCE = Path(__file__).with_name("amx.c")
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off", "-fno-fast-math")
 ENABLE = "SPECMTP_NATIVE"  # "0": attention in torch, int8 products in fbgemm, no compiling
 # What attention.c takes (its LANES and MAX_D): head size a multiple of KERNEL_LANES, at
@@ -73,6 +75,9 @@ _LAYERS_ARGS += [ctypes.c_void_p, ctypes.c_void_p]
 # y, threads
 _INT4_ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 _INT4_ARGS += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+# specmtp_amx_linear's arguments: x, m, k; packed, n, bias (or NULL); y, threads
+_AMX_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+_AMX_ARGS += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
 BUILD_TIMEOUT_S = 120
 
 
@@ -127,6 +132,34 @@ def int4_kernel() -> ctypes._CFuncPtr | None:
     function.argtypes = _INT4_ARGS
     function.restype = ctypes.c_int
     return function
+
+
+class AmxKernels(NamedTuple):
+    """amx.c's functions (amx.py)."""
+
+    packed_values: ctypes._CFuncPtr  # specmtp_amx_packed_values(n, k)
+    pack: ctypes._CFuncPtr  # specmtp_amx_pack(w, n, k, stride, packed)
+    linear: ctypes._CFuncPtr  # specmtp_amx_linear(x, m, k, packed, n, bias, y, threads)
+
+
+@cache
+def amx_kernels() -> AmxKernels | None:
+    """The compiled amx.c, or None where it cannot run: no compiler or no OpenMP,
+    SPECMTP_NATIVE=0, a CPU without AMX (the compiler does not define __AMX_BF16__ for it)
+    or a kernel that does not grant this process the tiles."""
+    library = _library(AMX_SOURCE, (*FLAGS, "-fopenmp"))
+    if library is None or not library.specmtp_amx_ready():
+        return None
+    kernels = AmxKernels(
+        library.specmtp_amx_packed_values, library.specmtp_amx_pack, library.specmtp_amx_linear
+    )
+    kernels.packed_values.argtypes = [ctypes.c_int64] * 2
+    kernels.packed_values.restype = ctypes.c_int64
+    kernels.pack.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+    kernels.pack.restype = None
+    kernels.linear.argtypes = _AMX_ARGS
+    kernels.linear.restype = ctypes.c_int
+    return kernels
 
 
 class LeanKernels(NamedTuple):

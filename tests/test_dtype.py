@@ -56,8 +56,9 @@ def test_a_bfloat16_bench_is_row_invariant_and_lossless(capfd: pytest.CaptureFix
     assert code == 0, err
     report = json.loads(out.strip().splitlines()[-1])
     assert report["config"]["dtype"] == "bfloat16"
-    # "packed", "flat", "padded", "padded16", or per shape ("flat, padded for 576x1536")
+    # "amx", "packed", "flat", "padded", "padded16", or per shape ("flat, padded for 576x1536")
     assert report["config"]["row_invariant"].split(",")[0] in (
+        "amx",
         "packed",
         "flat",
         "padded",

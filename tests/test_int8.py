@@ -3,6 +3,7 @@ swapped, and drafts that still leave greedy output exactly plain decoding's."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -206,14 +207,18 @@ def test_an_int8_draft_in_bfloat16_packs_no_weights(
     its weights twice for a while), while the same draft in float products does pack."""
     target = load_model(str(tiny_target), dtype=torch.bfloat16)
     packed: list[torch.Size] = []
-    pack = kernels.pack_weight
 
-    def counting(weight: torch.Tensor) -> torch.Tensor:
-        packed.append(weight.shape)
-        return pack(weight)
+    def counting(pack: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+        def packing(weight: torch.Tensor) -> torch.Tensor:
+            packed.append(weight.shape)
+            return pack(weight)
 
-    monkeypatch.setattr(kernels, "pack_weight", counting)
-    monkeypatch.setattr(invariant, "pack_weight", counting)
+        return packing
+
+    for name in ("pack_weight", "amx_pack"):  # oneDNN's copies and amx.c's
+        packing = counting(getattr(kernels, name))
+        monkeypatch.setattr(kernels, name, packing)
+        monkeypatch.setattr(invariant, name, packing)
     build_drafter(f"{tiny_target}#int8", target, dtype=torch.bfloat16)
     assert packed == []
     assert kernels.packing_allowed()  # only while the int8 draft loaded
