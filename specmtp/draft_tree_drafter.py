@@ -140,7 +140,7 @@ class DraftTreeDrafter(DraftModelDrafter):
         self._keep_accepted_path(context)
         self._rollback_to_prefix_of(context[:, :-1])  # the last token must be fed for logits
         fresh = context[:, self.fed.shape[1] :]  # [1, u], u >= 1
-        logits = self._full(self.runner.forward(fresh, last_only=True)[:, -1])  # [1, V]
+        logits = self.runner.forward(fresh, last_only=True)[:, -1]  # [1, V or N]
         self.fed = context
         self.expected = context
         past = self.runner.length
@@ -152,7 +152,7 @@ class DraftTreeDrafter(DraftModelDrafter):
             expand = [p for p in self._likeliest(scores, nodes) if len(p) == depth][:beam]
             if not expand or math.exp(scores[expand[0]]) < self.min_probability:
                 break  # nothing at this depth can enter the tree, or the draft doubts it all
-            logits = self._tree_step(expand, fed, past)  # [E, V]
+            logits = self._tree_step(expand, fed, past)  # [E, V or N]
             fed += expand
             scores |= self._children({p: scores[p] for p in expand}, logits, sampling, beam)
         self.tree_past, self.tree_fed = past, fed  # kept until the next round's context
@@ -200,13 +200,18 @@ class DraftTreeDrafter(DraftModelDrafter):
         beam: int,
     ) -> dict[TokenPath, float]:
         """Each parent's `beam` likeliest children with their paths' log-probabilities.
-        logits [P, V]: row i after the i-th parent. Greedy ranks by the draft's own
-        distribution; sampling by the one it samples from (temperature, top-k, top-p)."""
+        logits [P, V], or [P, N] over a reduced output vocabulary: row i after the i-th
+        parent. Greedy ranks by the draft's own distribution, over the N ids alone when the
+        vocabulary is reduced (the others have probability 0: the same ranks, without
+        spreading N logits over V); sampling by the one it samples from (temperature,
+        top-k, top-p), over the full vocabulary."""
         if sampling.greedy:
             top_values, top_tokens = top_log_probs(logits, beam)  # [P, beam]
+            if self.output_ids is not None:
+                top_tokens = self.output_ids.to(top_tokens.device)[top_tokens]
         else:
-            logprob = logits_to_probs(logits, sampling).log()  # [P, V], -inf off top-k/top-p
-            top_values, top_tokens = logprob.topk(beam, dim=-1)  # [P, beam]
+            logprob = logits_to_probs(self._full(logits), sampling).log()  # [P, V]; -inf off
+            top_values, top_tokens = logprob.topk(beam, dim=-1)  # [P, beam]   top-k/top-p
         children: dict[TokenPath, float] = {}
         for (path, score), values, tokens in zip(
             parents.items(), top_values.tolist(), top_tokens.tolist(), strict=True
@@ -219,7 +224,8 @@ class DraftTreeDrafter(DraftModelDrafter):
     def _tree_step(self, expand: list[TokenPath], fed: list[TokenPath], past: int) -> torch.Tensor:
         """One draft forward of the nodes `expand` (all one depth d), after the context
         (`past` positions) and the nodes `fed` before them; their logits [E, V]. Each row
-        sees the context, its ancestors among `fed` and itself; position past + d - 1."""
+        sees the context, its ancestors among `fed` and itself; position past + d - 1.
+        Logits over the output ids when the vocabulary is reduced ([E, N])."""
         n, depth = len(expand), len(expand[0])
         ancestor = torch.tensor(
             [[path[: len(node)] == node for node in fed] for path in expand], dtype=torch.bool
@@ -232,4 +238,4 @@ class DraftTreeDrafter(DraftModelDrafter):
         tokens = torch.tensor([[path[-1] for path in expand]], device=device)  # [1, E]
         positions = torch.full((1, n), past + depth - 1, device=device)  # [1, E]
         logits = self.runner.forward(tokens, attention_mask=mask, position_ids=positions)
-        return self._full(logits[0])
+        return logits[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -137,6 +138,38 @@ def test_the_tree_is_the_slow_references_and_the_cache_keeps_the_accepted_path(
             Outcome(torch.tensor([context]), num_accepted=len(deepest), target_hidden=None)
         )
         assert drafter.catch_up(torch.tensor([context])) == fed.count(False)
+
+
+def test_a_reduced_output_vocabulary_grows_the_tree_of_its_ids() -> None:
+    """With `#vocab=N` the draft's LM head gives logits over N ids; greedy trees rank them
+    alone, which is the slow reference's ranking with every other id at probability 0."""
+    draft = tiny_model("llama", seed=1)  # a Hugging Face model: its head is cut in place
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(32)
+    ids = torch.arange(1, TINY_VOCAB, 2)  # every other token
+    drafter = DraftTreeDrafter(draft, vocab_size=TINY_VOCAB, nodes=8, output_ids=ids)
+
+    def full_logits(tokens: torch.Tensor) -> SimpleNamespace:
+        with torch.no_grad():
+            logits = draft(tokens).logits  # [1, n, N]: the drafter cut the head
+        assert logits.shape[-1] == len(ids)
+        full = logits.new_full((*logits.shape[:-1], TINY_VOCAB), float("-inf"))
+        full[..., ids] = logits
+        return SimpleNamespace(logits=full)
+
+    context = PROMPT
+    for _ in range(2):
+        expected = reference_scores(full_logits, context, 4, 8, drafter.beam)  # type: ignore[arg-type]
+        proposed = proposed_paths(drafter, context, 4)
+        assert proposed.keys() == expected.keys()
+        for path, score in proposed.items():
+            assert score == pytest.approx(expected[path], abs=1e-4), path
+            assert set(path) <= set(ids.tolist())
+        deepest = max(expected, key=lambda p: (len(p), expected[p]))
+        context = [*context, *deepest, 7]
+        drafter.observe(
+            Outcome(torch.tensor([context]), num_accepted=len(deepest), target_hidden=None)
+        )
 
 
 def test_a_tree_ranks_siblings_and_depths_by_the_drafts_probabilities(
