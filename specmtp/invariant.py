@@ -29,9 +29,14 @@ holds:
   verify passes agree.
 - Matrix products. A BLAS may pick its algorithm (and so its order of additions) by the
   number of rows, or by the input's rank. `use_row_invariant` probes every weight shape of
-  the model with 2-D inputs, cheapest product first. oneDNN's product on weights packed
-  once for it ("packed", kernels.py), where torch has oneDNN: F.linear in bfloat16 goes
-  to oneDNN too, but seemingly rearranges the weights on every call; on an Intel Xeon with
+  the model with 2-D inputs, cheapest product first. Where the CPU has AMX, amx.c's product
+  on the tiles ("amx", amx.py; bfloat16 weights): rows in blocks of 16, each computed from
+  its own inputs alone, so row-invariant by construction, and 16 rows cost about one; the
+  Qwen2.5-Coder 1.5B's step 157 ms against 195 with the products below, its 16-row pass
+  179 against 217 (docs/exact-bfloat16.md, "Products on AMX tiles"). Then oneDNN's
+  product on weights packed once for it ("packed", kernels.py), where torch has oneDNN:
+  F.linear in bfloat16 goes to oneDNN too, but seemingly rearranges the weights on every
+  call; on an Intel Xeon with
   AMX, packed, every product of a default-model step took 26-28 ms for 1-8 rows against
   38 ms (1 thread), at the cost of a second copy of the weights. Then F.linear: if it
   gives each row the same bits whatever the row count, it is kept, with inputs flattened

@@ -3,6 +3,8 @@ row's bits at every row count, its packed copy, and where invariant.py takes it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +12,7 @@ from torch import nn
 from specmtp import invariant, kernels
 from specmtp.amx import amx_available, amx_linear, amx_pack
 from specmtp.kernels import AMX, TunedLinear, use_tuned_linear
+from specmtp.models import load_model
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="no AMX here (or no C compiler)")
 
@@ -106,3 +109,20 @@ def test_amx_is_offered_for_bfloat16_weights_only_and_only_where_it_runs() -> No
     )
     with kernels.without_packing():
         assert AMX not in invariant.product_kinds()
+
+
+@needs_amx
+@pytest.mark.skipif(not kernels.PACKING_AVAILABLE, reason="no oneDNN packed product")
+def test_amx_products_between_onednns_own_tile_kernels(tiny_target: Path) -> None:
+    """amx.c configures the tiles at each call and releases them after; oneDNN's packed
+    products (and the fused attention of a prompt) configure their own. Layers taking turns
+    between the two, over a prompt long enough for the fused attention, still give the
+    bits of one-token steps."""
+    model = load_model(str(tiny_target), dtype=torch.bfloat16).model
+    layers = [m for m in model.modules() if isinstance(m, TunedLinear)]
+    for i, layer in enumerate(layers):  # oneDNN's only where it passes its own probe
+        packs = i % 2 == 0 and invariant.rows_invariant(layer.weight, product=kernels.PACKED)
+        layer.invariant_product = kernels.PACKED if packs else AMX
+    kernels.settle_packed(model)
+    assert {m.invariant_product for m in layers} == {AMX, kernels.PACKED}
+    assert invariant.forwards_agree(model, prompt=40, rows=6)
