@@ -193,23 +193,6 @@ int specmtp_amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
 
 int specmtp_amx_ready(void) { return 0; }
 
-/* One row's `width` sums of a group (plus bias) rounded to bfloat16: 16 at a time by
-   vcvtneps2bf16 (nearest even), the rest of a narrow last group one by one, alike. */
-static void store_row(const float *sums, const uint16_t *bias, int64_t width, uint16_t *y) {
-    int64_t o = 0;
-    for (; o + OUTPUTS <= width; o += OUTPUTS) {
-        __m512 value = _mm512_loadu_ps(sums + o);
-        if (bias) {
-            __m256i half = _mm256_loadu_si256((const __m256i *)(bias + o));
-            value = _mm512_add_ps(
-                value, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
-        }
-        _mm256_storeu_si256((__m256i *)(y + o), (__m256i)_mm512_cvtneps_pbh(value));
-    }
-    for (; o < width; o++)
-        y[o] = to_bf16(sums[o] + (bias ? from_bf16(bias[o]) : 0.0f));
-}
-
 int specmtp_amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed,
                        int64_t n, const uint16_t *bias, uint16_t *y, int threads) {
     (void)x, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y, (void)threads;
