@@ -3,13 +3,16 @@ row's bits at every row count, its packed copy, and where invariant.py takes it.
 
 from __future__ import annotations
 
+import ctypes
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from specmtp import invariant, kernels
+from specmtp import invariant, kernels, native
 from specmtp.amx import amx_available, amx_linear, amx_pack
 from specmtp.kernels import AMX, TunedLinear, use_tuned_linear
 from specmtp.models import load_model
@@ -126,3 +129,19 @@ def test_amx_products_between_onednns_own_tile_kernels(tiny_target: Path) -> Non
     kernels.settle_packed(model)
     assert {m.invariant_product for m in layers} == {AMX, kernels.PACKED}
     assert invariant.forwards_agree(model, prompt=40, rows=6)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_amx_c_builds_for_a_cpu_without_amx_and_then_offers_nothing(tmp_path: Path) -> None:
+    """Built for plain x86-64 (or any CPU whose compiler does not target AMX-BF16), amx.c
+    still compiles; its kernel then says it cannot run (2) and the process is not offered
+    the tiles, so invariant.py keeps the other products."""
+    library = tmp_path / "amx.so"
+    flags = [f for f in native.FLAGS if f != "-march=native"]
+    subprocess.run(
+        ["cc", *flags, "-fopenmp", str(native.AMX_SOURCE), "-o", str(library)], check=True
+    )
+    built = ctypes.CDLL(str(library))
+    assert built.specmtp_amx_ready() == 0
+    built.specmtp_amx_linear.restype = ctypes.c_int
+    assert built.specmtp_amx_linear(None, 0, 0, None, 0, None, None, 1) == 2
