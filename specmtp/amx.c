@@ -58,7 +58,8 @@ void specmtp_amx_pack(const uint16_t *w, int64_t n, int64_t k, int64_t stride,
             }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -83,37 +84,19 @@ int specmtp_amx_ready(void) {
     return ready;
 }
 
-static uint16_t to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu))
-        return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
-
-static float from_bf16(uint16_t value) {
-    uint32_t bits = (uint32_t)value << 16;
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
-/* One row's `width` sums of a group (plus bias) rounded to bfloat16: 16 at a time by
-   vcvtneps2bf16 (nearest even), the rest of a narrow last group one by one, alike. */
+/* One row's `width` sums of a group (plus bias) rounded to bfloat16 by vcvtneps2bf16
+   (nearest even), 16 at a time, the last ones of a narrow group under a mask. */
 static void store_row(const float *sums, const uint16_t *bias, int64_t width, uint16_t *y) {
-    int64_t o = 0;
-    for (; o + OUTPUTS <= width; o += OUTPUTS) {
-        __m512 value = _mm512_loadu_ps(sums + o);
+    for (int64_t o = 0; o < width; o += OUTPUTS) {
+        __mmask16 mask = width - o >= OUTPUTS ? 0xFFFF : (__mmask16)((1u << (width - o)) - 1);
+        __m512 value = _mm512_maskz_loadu_ps(mask, sums + o);
         if (bias) {
-            __m256i half = _mm256_loadu_si256((const __m256i *)(bias + o));
+            __m256i half = _mm256_maskz_loadu_epi16(mask, bias + o);
             value = _mm512_add_ps(
                 value, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
         }
-        _mm256_storeu_si256((__m256i *)(y + o), (__m256i)_mm512_cvtneps_pbh(value));
+        _mm256_mask_storeu_epi16(y + o, mask, (__m256i)_mm512_cvtneps_pbh(value));
     }
-    for (; o < width; o++)
-        y[o] = to_bf16(sums[o] + (bias ? from_bf16(bias[o]) : 0.0f));
 }
 
 int specmtp_amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed,

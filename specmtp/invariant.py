@@ -73,7 +73,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from specmtp import native
-from specmtp.amx import amx_available, amx_pack
+from specmtp.amx import amx_available
 from specmtp.errors import SpecMTPError
 from specmtp.kernels import (
     AMX,
@@ -83,7 +83,7 @@ from specmtp.kernels import (
     KernelPlan,
     invariant_linear,
     kernel_plan,
-    pack_weight,
+    pack_for,
     packing_allowed,
     settle_packed,
     use_tuned_linear,
@@ -320,7 +320,7 @@ def rows_invariant(weight: torch.Tensor, *, product: str = "flat", seed: int = 0
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.dtype)
     with torch.inference_mode():
-        packed = {PACKED: pack_weight, AMX: amx_pack}.get(product, lambda w: None)(weight)
+        packed = pack_for(product, weight)
 
         def linear(rows: torch.Tensor) -> torch.Tensor:
             return invariant_linear(rows, weight, None, product, packed=packed)

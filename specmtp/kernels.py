@@ -189,6 +189,14 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
 
 
+def pack_for(product: str, weight: torch.Tensor) -> torch.Tensor | None:
+    """The copy of `weight` that `product` reads: amx.c's layout for "amx", oneDNN's for
+    "packed"; None for the products that read the weights as they are."""
+    if product == AMX:
+        return amx_pack(weight)
+    return pack_weight(weight) if product == PACKED else None
+
+
 def padded_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, block: int = PAD_ROWS
 ) -> torch.Tensor:
@@ -243,7 +251,7 @@ class TunedLinear(nn.Linear):
         source = (self.weight.data_ptr(), self.weight._version, amx)
         if self.packed is None or self.packed_from != source:
             self.packed = None  # the old copy goes before the new one is made
-            self.packed = amx_pack(self.weight) if amx else pack_weight(self.weight)
+            self.packed = pack_for(AMX if amx else PACKED, self.weight)
             self.packed_from = source
         return self.packed
 

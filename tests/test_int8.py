@@ -14,7 +14,7 @@ from test_mtp_drafter import PROMPT, trained_heads
 from torch import nn
 from transformers import PreTrainedModel
 
-from specmtp import invariant, kernels, native
+from specmtp import kernels, native
 from specmtp.api import SpecGenerator, build_drafter
 from specmtp.config import GenerationConfig
 from specmtp.decode import SpecDecoder
@@ -218,7 +218,6 @@ def test_an_int8_draft_in_bfloat16_packs_no_weights(
     for name in ("pack_weight", "amx_pack"):  # oneDNN's copies and amx.c's
         packing = counting(getattr(kernels, name))
         monkeypatch.setattr(kernels, name, packing)
-        monkeypatch.setattr(invariant, name, packing)
     build_drafter(f"{tiny_target}#int8", target, dtype=torch.bfloat16)
     assert packed == []
     assert kernels.packing_allowed()  # only while the int8 draft loaded
